@@ -1,0 +1,1 @@
+"""megarl: the RL framework (controller, workers, algorithms, rollout, data, rewards, cli)."""

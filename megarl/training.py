@@ -1,0 +1,135 @@
+"""Megatron training primitives shared by every trainable role (SFT warm-up, actor, critic).
+
+Wraps model chunks in megatron's DDP, builds megatron's optimizer (Adam, gradient clipping,
+optional distributed optimizer) and runs one optimizer step through megatron's own
+forward-backward schedules (no pipelining, 1F1B or interleaved, chosen from the layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+
+from parallel.layout import MegatronLayout
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """Adam settings for one trainable model."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+def wrap_ddp(chunks: list, layout: MegatronLayout) -> list:
+    """Wrap each model chunk in megatron's DistributedDataParallel (fp32 grads, bucketed reduce)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=layout.use_distributed_optimizer,
+    )
+    wrapped = []
+    for index, chunk in enumerate(chunks):
+        wrapped.append(
+            DistributedDataParallel(
+                config=chunk.config, ddp_config=ddp_config, module=chunk,
+                # Only the first chunk's buckets are used by the schedule for grad sync timing.
+                disable_bucketing=index > 0,
+            )
+        )
+    return wrapped
+
+
+def build_optimizer(chunks: list, optim: OptimConfig, layout: MegatronLayout):
+    """megatron's optimizer over DDP-wrapped chunks (torch Adam underneath when TE/apex are absent)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
+        params_dtype=chunks[0].config.params_dtype, bf16=chunks[0].config.params_dtype == torch.bfloat16,
+        use_distributed_optimizer=layout.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, chunks)
+    _attach_schedule_hooks(chunks, optimizer)
+    return optimizer
+
+
+def _attach_schedule_hooks(chunks: list, optimizer) -> None:
+    """What megatron's schedules read from the config to sync grads: without
+    finalize_model_grads, DP grads are never reduced and tied embeddings drift across PP stages."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = chunks[0].config
+    no_sync = [chunk.no_sync for chunk in chunks]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+
+
+def causal_lm_loss(output_tensor: torch.Tensor, loss_mask: torch.Tensor):
+    """Token-mean cross entropy for megatron's schedules: (loss, num_tokens, logging dict)."""
+    mask = loss_mask.float().view(-1)
+    total = torch.sum(output_tensor.float().view(-1) * mask)
+    tokens = mask.sum()
+    return total / tokens.clamp(min=1), {"lm loss": (total.detach(), tokens.detach())}
+
+
+def lm_forward_step(data_iterator: Iterator[dict], model) -> tuple[torch.Tensor, Callable]:
+    """One micro-batch forward: tokens -> per-token losses (last stage) or hidden states."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, attention_mask=None, labels=batch["labels"])
+    return output, partial(causal_lm_loss, loss_mask=batch["loss_mask"])
+
+
+def train_step(
+    chunks: list,
+    optimizer,
+    micro_batches: list[dict],
+    seq_length: int,
+    forward_step: Callable = lm_forward_step,
+) -> dict:
+    """One optimizer step over ``micro_batches`` (dicts of [mbs, seq] tensors) on this rank.
+
+    Returns {"loss": mean loss over micro-batches (last pipeline stage, else nan), "grad_norm",
+    "update_successful"}.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    iterators = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batches[0]["tokens"].shape[0],
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        # Token-weighted mean over this step's micro-batches on every data-parallel rank.
+        sums = torch.tensor(
+            [sum(float(item["lm loss"][0]) for item in losses), sum(float(item["lm loss"][1]) for item in losses)],
+            dtype=torch.float64,
+        )
+        torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        loss = float(sums[0] / sums[1].clamp(min=1.0))
+    else:
+        loss = float("nan")
+    return {"loss": loss, "grad_norm": float(grad_norm or 0.0), "update_successful": bool(update_successful)}

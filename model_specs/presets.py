@@ -1,0 +1,86 @@
+"""Model size presets as data: tiny test models up to 70B-class shapes.
+
+Tiny presets are built locally (no downloads) and cover what the parallel code must get right:
+GQA, qkv bias, tied and untied embeddings, vocab sizes that are and are not multiples of 64.
+Layer counts are multiples of 4 so PP=2 x VPP=2 splits evenly.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+
+_TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
+    hidden_act="silu", initializer_range=0.02, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Llama, untied, vocab 200 (not a multiple of 64: exercises padding everywhere).
+    "tiny-llama": dict(_TINY, model_type="llama", vocab_size=200, tie_word_embeddings=False),
+    # Llama, tied embeddings, vocab a multiple of 64.
+    "tiny-llama-tied": dict(_TINY, model_type="llama", vocab_size=256, tie_word_embeddings=True),
+    # Qwen2: qkv bias, tied, one KV head (KV replicated once TP > 1).
+    "tiny-qwen2": dict(_TINY, model_type="qwen2", vocab_size=256, tie_word_embeddings=True,
+                       num_key_value_heads=1),
+    # Qwen2 untied with an odd vocab.
+    "tiny-qwen2-untied": dict(_TINY, model_type="qwen2", vocab_size=250, tie_word_embeddings=False),
+    # ~20M-parameter Qwen2 shape (the RL benchmark size in ../shared/notes/rl_on_cpu.md).
+    "small-qwen2-20m": dict(_TINY, model_type="qwen2", vocab_size=4096, tie_word_embeddings=True,
+                            hidden_size=512, intermediate_size=1664, num_hidden_layers=6,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    # Real shapes, for planning, memory estimates and dry runs (never instantiated on CPU).
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      rms_norm_eps=1e-5, max_position_embeddings=8192, hidden_act="silu",
+                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                       rms_norm_eps=1e-5, max_position_embeddings=8192, hidden_act="silu",
+                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                       rms_norm_eps=1e-6, max_position_embeddings=32768, hidden_act="silu",
+                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+TINY_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
+
+
+def hf_config_dict(preset: str, **overrides: Any) -> dict[str, Any]:
+    """The HF config.json content of a preset, with field overrides."""
+    if preset not in PRESETS:
+        raise KeyError(f"model preset {preset!r} does not exist; choose one of {sorted(PRESETS)}")
+    cfg = copy.deepcopy(PRESETS[preset])
+    cfg.update(overrides)
+    return cfg
+
+
+def make_hf_config(preset: str, **overrides: Any):
+    """A transformers config object for a preset."""
+    from transformers import AutoConfig
+
+    cfg = hf_config_dict(preset, **overrides)
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def save_tiny_hf_model(preset: str, path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Build a randomly initialised HF causal LM for a preset and save it (safetensors + config.json).
+
+    Biases and norm weights are randomised too, so a converter that drops or misplaces one is caught.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = make_hf_config(preset, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(str(path))
+    return str(path)

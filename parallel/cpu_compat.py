@@ -1,0 +1,241 @@
+"""Run real megatron-core on CPU (torch.distributed gloo) by mapping its CUDA-only calls to the CPU.
+
+megatron-core assumes CUDA in a handful of places. On a machine without a CUDA device,
+``apply()`` installs the patches below, process-wide and idempotently; on a GPU machine it does
+nothing. Every patch is small, named, and has a test in tests/test_cpu_compat.py. Facts behind
+them: ../shared/notes/megatron_cpu.md.
+
+Patches (name -> why):
+- ``device_mode``: a TorchFunctionMode maps ``device="cuda"|"cuda:N"|N`` arguments of tensor
+  factories and ``Tensor.to`` to the CPU, turns ``Tensor.cuda()`` / ``Tensor.pin_memory()`` into
+  no-ops and drops ``pin_memory=True``. Megatron allocates buffers with
+  ``device=torch.cuda.current_device()`` everywhere. The autograd engine clears the mode stack
+  while it runs custom Functions' backward (megatron's TP/SP layers allocate there, and
+  activation recompute re-runs forward there), so the mode is re-entered around those.
+- ``cuda_runtime``: ``torch.cuda.current_device/set_device/synchronize/empty_cache/memory_*`` and
+  ``Stream``/``Event``/``stream()`` become CPU no-ops (DDP's grad-reduce overlap uses streams).
+- ``rng``: the "CUDA" RNG is the CPU default generator: ``torch.cuda.manual_seed``,
+  ``get_rng_state``/``set_rng_state`` and megatron's ``_get_cuda_rng_state``/``_set_cuda_rng_state``
+  read and write it, so the model-parallel RNG tracker forks work. (``torch.cuda.manual_seed`` must
+  not call ``torch.manual_seed``: that calls ``torch.cuda.manual_seed_all`` and recurses.)
+- ``tensor_type``: ``Tensor.type()`` with no argument reports ``torch.cuda.FloatTensor`` (etc.) for
+  CPU tensors: gradient clipping and the distributed optimizer assert that name.
+- ``GLOO_CONFIG_OVERRIDES`` (TransformerConfig fields, applied by parallel.layout on CPU):
+  ``batch_p2p_comm=False``. With PP=2 a rank's previous and next stage are the same peer; gloo
+  matches batched isend/irecv by order with one tag, so under the interleaved (VPP) schedule
+  an activation and a gradient sent together are swapped (grads 100x off). Megatron's unbatched
+  path sends the two directions on two different groups and is exact.
+- ``sequence_parallel_norm``: the local spec's ``WrappedTorchNorm`` refuses sequence parallelism;
+  the norm itself is per-token so it is correct under SP as long as its parameters are tagged
+  ``sequence_parallel = True`` (then megatron all-reduces their grads over TP, as it does for the
+  fused norms). Without the tag the norm grads are wrong, which the test checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+_APPLIED: set[str] = set()
+GLOO_CONFIG_OVERRIDES = {"batch_p2p_comm": False}
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def needed() -> bool:
+    """True when there is no usable CUDA device, i.e. when megatron must be run on the CPU."""
+    return not torch.cuda.is_available()
+
+
+def _to_cpu_device(device):
+    """Map a CUDA device spec (str, torch.device or a bare int index) to 'cpu'; leave others alone."""
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+_MODE = CudaToCpuMode()
+
+
+def _patch_device_mode() -> None:
+    # Entered once for the life of the process: every torch call on this thread goes through it.
+    _MODE.__enter__()
+    # The autograd engine runs custom Functions' backward with the mode stack cleared, so
+    # megatron's backward allocations (and activation recompute) would escape: re-enter it there.
+    from torch.autograd.function import BackwardCFunction
+
+    original_apply = BackwardCFunction.apply
+
+    def apply_with_mode(self, *args):
+        if _get_current_function_mode_stack():
+            return original_apply(self, *args)
+        with CudaToCpuMode():
+            return original_apply(self, *args)
+
+    BackwardCFunction.apply = apply_with_mode
+
+
+class _CpuStream:
+    """Stands in for torch.cuda.Stream: CPU work is synchronous, so every method is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _CpuEvent:
+    """Stands in for torch.cuda.Event (records nothing; CPU work is already complete)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _patch_cuda_runtime() -> None:
+    cuda = torch.cuda
+    default_stream = _CpuStream()
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuEvent
+    cuda.current_stream = lambda device=None: default_stream
+    cuda.default_stream = lambda device=None: default_stream
+    cuda.stream = lambda stream: contextlib.nullcontext()
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def manual_seed(seed):
+        torch.default_generator.manual_seed(int(seed))
+
+    def get_rng_state(device="cuda", *args, **kwargs):
+        return torch.get_rng_state()
+
+    def set_rng_state(new_state, device=-1, *args, **kwargs):
+        torch.set_rng_state(new_state)
+
+    torch.cuda.manual_seed = manual_seed
+    torch.cuda.manual_seed_all = manual_seed
+    torch.cuda.get_rng_state = get_rng_state
+    torch.cuda.random.get_rng_state = get_rng_state
+    torch.cuda.set_rng_state = set_rng_state
+    mrandom._get_cuda_rng_state = get_rng_state
+    mrandom._set_cuda_rng_state = set_rng_state
+
+
+def _patch_tensor_type() -> None:
+    original = torch.Tensor.type
+
+    @functools.wraps(original)
+    def tensor_type(self, *args, **kwargs):
+        if not args and not kwargs and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = tensor_type
+
+
+def _patch_sequence_parallel_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        # Build the same norm with SP switched off for the assert only, then tag the parameters
+        # so megatron all-reduces their gradients across the TP group.
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, eps, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+PATCHES = {
+    "device_mode": _patch_device_mode,
+    "cuda_runtime": _patch_cuda_runtime,
+    "rng": _patch_rng,
+    "tensor_type": _patch_tensor_type,
+    "sequence_parallel_norm": _patch_sequence_parallel_norm,
+}
+
+
+def apply(only: tuple[str, ...] | None = None) -> bool:
+    """Install the CPU patches (all, or the named ones) if no CUDA device exists. Returns whether
+    megatron now runs in CPU mode. Safe to call many times; a no-op on GPU machines."""
+    if not needed():
+        return False
+    # Expected on CPU (no TE, no apex): megatron warns once per module; say it once in the docs instead.
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    for name in only or tuple(PATCHES):
+        if name not in _APPLIED:
+            PATCHES[name]()
+            _APPLIED.add(name)
+    return True

@@ -1,0 +1,50 @@
+"""The multi-process harness: results, failures, timeouts, and no process left behind."""
+
+import os
+import time
+
+import psutil
+import pytest
+
+from parallel.spawn import RankFailedError, RanksTimedOutError, run_on_ranks, threads_per_rank
+from tests import rank_fns
+
+
+def _descendants():
+    """Live descendants of this test process, except Python's own multiprocessing resource
+    tracker (one per interpreter, started by the first spawn, exits with the interpreter)."""
+    return [
+        p for p in psutil.Process().children(recursive=True)
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())
+    ]
+
+
+def test_collects_each_rank_result():
+    results = run_on_ranks(rank_fns.all_reduce_rank, 2, 10.0, timeout_s=120)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["sum"] == 30.0 for r in results)  # 10 * (1 + 2), computed over gloo
+    assert all(r["threads"] == threads_per_rank(2) for r in results)
+    assert _descendants() == []
+
+
+def test_failing_rank_traceback_is_reraised_and_peers_killed():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(rank_fns.fail_on_rank_one, 2, timeout_s=120)
+    assert "rank 1 of 2 failed" in str(info.value)
+    assert "deliberate failure on rank one" in str(info.value)
+    assert time.monotonic() - start < 60  # rank 0 was blocked in a barrier: it was killed, not awaited
+    assert _descendants() == []
+
+
+def test_timeout_kills_ranks_and_their_children(tmp_path):
+    pid_file = str(tmp_path / "grandchild")
+    with pytest.raises(RanksTimedOutError, match="did not finish within 15 s"):
+        run_on_ranks(rank_fns.start_grandchild_then_hang, 2, pid_file, timeout_s=15, init_distributed=False)
+    grandchildren = [int(open(tmp_path / name).read()) for name in os.listdir(tmp_path)]
+    assert len(grandchildren) == 2
+    time.sleep(0.5)
+    for pid in grandchildren:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert _descendants() == []
