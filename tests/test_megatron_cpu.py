@@ -63,4 +63,4 @@ def test_distributed_optimizer_matches_plain_adam():
     plain, distributed = train("dp2"), train("dp2_distopt")
     for a, b in zip(plain, distributed):
         assert [s["loss"] for s in a] == pytest.approx([s["loss"] for s in b], rel=1e-6)
-        assert [s["grad_norm"] for s in a] == pytest.approx([s["grad_norm"] for s in b], rel=1e-5)
+        assert [s["grad_norm"] for s in a] == pytest.approx([s["grad_norm"] for s in b], rel=1e-4)

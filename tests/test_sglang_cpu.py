@@ -19,6 +19,7 @@ import torch
 from megarl.rollout import EngineDiedError, EngineTimeoutError, SGLangEngine
 from model_specs.presets import save_tiny_hf_model
 from parallel.cpu_stubs import child_env
+from tests.processes import live, live_descendants
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-path tests")
 
@@ -55,17 +56,6 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[tuple[list[int]
     return results
 
 
-def _live(procs) -> list[psutil.Process]:
-    alive = []
-    for p in procs:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-        except psutil.Error:
-            pass
-    return alive
-
-
 def _engine_leftovers(pgid: int) -> list[psutil.Process]:
     """Live processes of the engine's process group, plus live descendants of this process."""
     in_group = []
@@ -75,7 +65,7 @@ def _engine_leftovers(pgid: int) -> list[psutil.Process]:
                 in_group.append(p)
         except (OSError, psutil.Error):
             pass
-    return _live(in_group) + _live(psutil.Process().children(recursive=True))
+    return live(in_group) + live_descendants()
 
 
 # --------------------------------------------------------------------------- stubs

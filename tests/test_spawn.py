@@ -8,16 +8,7 @@ import pytest
 
 from parallel.spawn import RankFailedError, RanksTimedOutError, run_on_ranks, threads_per_rank
 from tests import rank_fns
-
-
-def _descendants():
-    """Live descendants of this test process, except Python's own multiprocessing resource
-    tracker (one per interpreter, started by the first spawn, exits with the interpreter)."""
-    return [
-        p for p in psutil.Process().children(recursive=True)
-        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())
-    ]
+from tests.processes import live_descendants
 
 
 def test_collects_each_rank_result():
@@ -25,7 +16,7 @@ def test_collects_each_rank_result():
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["sum"] == 30.0 for r in results)  # 10 * (1 + 2), computed over gloo
     assert all(r["threads"] == threads_per_rank(2) for r in results)
-    assert _descendants() == []
+    assert live_descendants() == []
 
 
 def test_failing_rank_traceback_is_reraised_and_peers_killed():
@@ -35,7 +26,7 @@ def test_failing_rank_traceback_is_reraised_and_peers_killed():
     assert "rank 1 of 2 failed" in str(info.value)
     assert "deliberate failure on rank one" in str(info.value)
     assert time.monotonic() - start < 60  # rank 0 was blocked in a barrier: it was killed, not awaited
-    assert _descendants() == []
+    assert live_descendants() == []
 
 
 def test_timeout_kills_ranks_and_their_children(tmp_path):
@@ -47,4 +38,4 @@ def test_timeout_kills_ranks_and_their_children(tmp_path):
     time.sleep(0.5)
     for pid in grandchildren:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    assert _descendants() == []
+    assert live_descendants() == []

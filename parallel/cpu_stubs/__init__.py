@@ -187,6 +187,10 @@ def _fill_triton(mod: types.ModuleType) -> None:
         mod.constexpr = _Constexpr
     elif mod.__name__ == "triton.runtime":
         mod.driver = _NoActiveDriver()
+    elif mod.__name__ == "triton.backends":
+        # torch's has_triton() asks which devices triton can compile for: none, so dynamo and
+        # inductor take their triton-free paths (C++ codegen on CPU) instead of probing the stub.
+        mod.backends = {}
     elif mod.__name__ == "triton.runtime.autotuner":
         mod.OutOfResources = type("OutOfResources", (Exception,), {})
 
