@@ -232,8 +232,14 @@ def apply(only: tuple[str, ...] | None = None) -> bool:
     megatron now runs in CPU mode. Safe to call many times; a no-op on GPU machines."""
     if not needed():
         return False
-    # Expected on CPU (no TE, no apex): megatron warns once per module; say it once in the docs instead.
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    # Expected on CPU and meaningless there: no TE/apex (documented in the README), CUDA-graph
+    # and CUDA_DEVICE_MAX_CONNECTIONS advice. Megatron repeats them in every rank.
+    for message in (
+        ".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
+        ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+        "full scope is deprecated.*",
+    ):
+        warnings.filterwarnings("ignore", message=message)
     for name in only or tuple(PATCHES):
         if name not in _APPLIED:
             PATCHES[name]()
