@@ -75,6 +75,13 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
 class SGLangEngine:
     """A real ``sglang.Engine`` living in its own process group.
 
@@ -215,8 +222,10 @@ class SGLangEngine:
 
         try:  # descendants that might have left the group are killed by pid
             extra = psutil.Process(self.pid).children(recursive=True)
-        except psutil.Error:
+        except psutil.Error:  # the engine process is gone already (e.g. SGLang killed it)
             extra = []
+        # Group members outlive the engine process when it died first (orphans): wait for them too.
+        extra += [p for p in psutil.process_iter() if _pgid(p.pid) == self.pid and p.pid != self.pid]
         _kill_group(self.pid)
         for proc in extra:
             try:
