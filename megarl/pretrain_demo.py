@@ -23,6 +23,7 @@ class DemoRun:
     micro_batch_size: int = 2
     seq_length: int = 32
     seed: int = 1234
+    loss_mask_prefix: int = 0  # the first N tokens of every sequence carry no loss (like a prompt)
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-2))
 
 
@@ -31,6 +32,7 @@ def train_on_rank(run: DemoRun) -> list[dict]:
     from megatron.core import parallel_state
 
     hf_config = hf_config_dict(run.preset)
+    run.layout.validate_sequence_length(run.seq_length, field="DemoRun.seq_length")
     initialize_megatron(run.layout, seed=run.seed)
     chunks = build_model_chunks(hf_config, run.layout)
     init_params_layout_independent(chunks, run.seed, hf_config["vocab_size"])
@@ -45,11 +47,14 @@ def train_on_rank(run: DemoRun) -> list[dict]:
         )
     history = []
     for step in range(run.steps):
-        # The same global batch at every layout; each data-parallel rank takes its share.
+        # The same global batch at every layout; each data-parallel rank takes its share (and
+        # the context-parallel ranks of a DP rank all get it; the forward step splits it).
         global_batch = arithmetic_sequence_batches(
             hf_config["vocab_size"], run.micro_batches, run.micro_batch_size, run.seq_length,
             seed=run.seed + step,
         )
+        for micro_batch in global_batch:
+            micro_batch["loss_mask"][:, : run.loss_mask_prefix] = 0
         history.append(train_step(chunks, optimizer, global_batch[dp_rank::dp_size], run.seq_length))
     parallel_state.destroy_model_parallel()
     return history

@@ -76,21 +76,56 @@ def _attach_schedule_hooks(chunks: list, optimizer) -> None:
     config.grad_scale_func = optimizer.scale_loss
 
 
-def causal_lm_loss(output_tensor: torch.Tensor, loss_mask: torch.Tensor):
-    """Token-mean cross entropy for megatron's schedules: (loss, num_tokens, logging dict)."""
+def causal_lm_loss(output_tensor: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor | None = None):
+    """Token-mean cross entropy for megatron's schedules: (loss, logging dict).
+
+    ``num_tokens`` is the micro-batch's token count over the whole context-parallel group (the
+    local count when None, i.e. without CP): each CP rank returns its local token-sum over the
+    global count, the schedule multiplies that by cp_size and DDP averages over DP x CP, which
+    gives the micro-batch's mean. The logging dict holds local (sum, count), which the caller
+    adds up over DP x CP into the true mean.
+    """
     mask = loss_mask.float().view(-1)
     total = torch.sum(output_tensor.float().view(-1) * mask)
     tokens = mask.sum()
-    return total / tokens.clamp(min=1), {"lm loss": (total.detach(), tokens.detach())}
+    denominator = tokens if num_tokens is None else num_tokens.float()
+    return total / denominator.clamp(min=1), {"lm loss": (total.detach(), tokens.detach())}
+
+
+def split_for_context_parallel(batch: dict) -> dict:
+    """This CP rank's share of a micro-batch ([mbs, seq] tensors): megatron's zig-zag split
+    (chunks r and 2*cp-1-r of 2*cp). A copy; the input dict is left alone. Identity at CP=1."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return dict(batch)
+    seq_length = batch["tokens"].shape[1]
+    if seq_length % (2 * cp):
+        raise ValueError(
+            f"micro-batch sequence length {seq_length} is not divisible by 2*cp={2 * cp} "
+            f"(context-parallel zig-zag split); pad sequences to a multiple of {2 * cp}"
+        )
+    return get_batch_on_this_cp_rank({key: value.contiguous() for key, value in batch.items()})
 
 
 def lm_forward_step(data_iterator: Iterator[dict], model) -> tuple[torch.Tensor, Callable]:
-    """One micro-batch forward: tokens -> per-token losses (last stage) or hidden states."""
+    """One micro-batch forward: tokens -> per-token losses (last stage) or hidden states.
+
+    Every CP rank receives the whole micro-batch and keeps its zig-zag share; position ids are the
+    global positions of the kept tokens. (RoPE in megatron slices its table for the CP rank by
+    itself; the position ids matter for learned position embeddings.)
+    """
     batch = next(data_iterator)
     tokens = batch["tokens"]
     position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, attention_mask=None, labels=batch["labels"])
-    return output, partial(causal_lm_loss, loss_mask=batch["loss_mask"])
+    local = split_for_context_parallel(
+        {"tokens": tokens, "labels": batch["labels"], "loss_mask": batch["loss_mask"], "position_ids": position_ids}
+    )
+    output = model(local["tokens"], local["position_ids"], attention_mask=None, labels=local["labels"])
+    num_tokens = batch["loss_mask"].float().sum()  # over the full sequence: the CP group's count
+    return output, partial(causal_lm_loss, loss_mask=local["loss_mask"], num_tokens=num_tokens)
 
 
 def train_step(
@@ -101,6 +136,10 @@ def train_step(
     forward_step: Callable = lm_forward_step,
 ) -> dict:
     """One optimizer step over ``micro_batches`` (dicts of [mbs, seq] tensors) on this rank.
+
+    ``seq_length`` is the FULL sequence length (megatron's schedule divides it by cp, and by tp
+    under sequence parallel, for the pipeline's activation shapes); with CP every rank of a CP
+    group gets the same micro-batches and ``forward_step`` keeps its share.
 
     Returns {"loss": mean loss over micro-batches (last pipeline stage, else nan), "grad_norm",
     "update_successful"}.
@@ -123,12 +162,13 @@ def train_step(
     )
     update_successful, grad_norm, _ = optimizer.step()
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        # Token-weighted mean over this step's micro-batches on every data-parallel rank.
+        # Token-weighted mean over this step's micro-batches on every data- and context-parallel
+        # rank (each CP rank logged the sum and count of its own tokens).
         sums = torch.tensor(
             [sum(float(item["lm loss"][0]) for item in losses), sum(float(item["lm loss"][1]) for item in losses)],
             dtype=torch.float64,
         )
-        torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         loss = float(sums[0] / sums[1].clamp(min=1.0))
     else:
         loss = float("nan")

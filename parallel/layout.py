@@ -8,6 +8,7 @@ fails with one message naming the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import torch
@@ -67,6 +68,28 @@ class MegatronLayout:
                 f"num_hidden_layers={layers} is not divisible by pp*vpp={chunks}; choose pp/vpp so it is"
             )
 
+    def sequence_length_multiple(self) -> int:
+        """What every micro-batch's sequence length must be a multiple of: 2*cp for the zig-zag
+        context-parallel split, and each CP rank's share divisible by tp under sequence parallel."""
+        multiple = 2 * self.cp if self.cp > 1 else 1
+        if self.sequence_parallel:
+            multiple = math.lcm(multiple, self.cp * self.tp)
+        return multiple
+
+    def validate_sequence_length(self, seq_length: int, field: str = "seq_length") -> None:
+        """Check a (padded) sequence length against the layout before any work."""
+        multiple = self.sequence_length_multiple()
+        if seq_length < 1 or seq_length % multiple:
+            why = []
+            if self.cp > 1:
+                why.append(f"2*cp={2 * self.cp} (context-parallel zig-zag split)")
+            if self.sequence_parallel:
+                why.append(f"cp*tp={self.cp * self.tp} (sequence parallel)")
+            raise LayoutError(
+                f"{field}={seq_length} must be a positive multiple of {multiple} for this layout "
+                f"({' and '.join(why)}); pad sequences to a multiple of {multiple}"
+            )
+
     def transformer_config_kwargs(self) -> dict:
         """The parallel part of megatron's TransformerConfig."""
         return dict(
@@ -99,6 +122,53 @@ def initialize_megatron(layout: MegatronLayout, seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def megatron_config(
+    hf_config: Mapping[str, Any],
+    layout: MegatronLayout,
+    params_dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+):
+    """megatron's TransformerConfig for an HF config at a layout (no process groups needed)."""
+    from megatron.core.transformer import TransformerConfig
+
+    from model_specs import family_for
+    from parallel import cpu_compat
+
+    if cpu_compat.needed():
+        config_overrides = {**cpu_compat.GLOO_CONFIG_OVERRIDES, **config_overrides}
+    return TransformerConfig(
+        **family_for(hf_config).transformer_config_kwargs(hf_config),
+        **layout.transformer_config_kwargs(),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=True,
+        **config_overrides,
+    )
+
+
+def layer_spec(config, layout: MegatronLayout):
+    """The transformer-layer spec: megatron's local spec (pure torch; runs on CPU), with the core
+    attention replaced by the project's context-parallel attention when ``layout.cp > 1``
+    (megatron's local DotProductAttention refuses CP; only Transformer Engine's does CP).
+
+    Branch point for GPUs: with Transformer Engine installed, megatron's
+    ``get_gpt_layer_with_transformer_engine_spec`` (TEDotProductAttention does CP natively, with
+    ring/all-gather/all-to-all ``cp_comm_type``, and packed sequences) is the right spec; it is
+    not used yet because TE-fused parameter names differ from the local spec's.
+    """
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    if layout.cp > 1:
+        from parallel.context_parallel import ContextParallelAttention
+
+        spec = copy.deepcopy(spec)
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    return spec
+
+
 def build_model_chunks(
     hf_config: Mapping[str, Any],
     layout: MegatronLayout,
@@ -113,27 +183,14 @@ def build_model_chunks(
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
 
     from model_specs import family_for, padded_vocab_size
 
-    from parallel import cpu_compat
-
     family = family_for(hf_config)
-    if cpu_compat.needed():
-        config_overrides = {**cpu_compat.GLOO_CONFIG_OVERRIDES, **config_overrides}
-    config = TransformerConfig(
-        **family.transformer_config_kwargs(hf_config),
-        **layout.transformer_config_kwargs(),
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        use_cpu_initialization=True,
-        **config_overrides,
-    )
+    config = megatron_config(hf_config, layout, params_dtype, **config_overrides)
     model_kwargs = family.gpt_model_kwargs(hf_config)
     model_kwargs["vocab_size"] = padded_vocab_size(model_kwargs["vocab_size"], make_vocab_size_divisible_by, layout.tp)
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    spec = layer_spec(config, layout)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None

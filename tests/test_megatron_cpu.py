@@ -1,6 +1,6 @@
 """Real megatron-core trains on CPU over gloo at every layout the framework relies on.
 
-Oracles: the loss falls over a few Adam steps, and every layout (TP, PP, VPP, SP, DP, the
+Oracles: the loss falls over a few Adam steps, and every layout (TP, PP, VPP, SP, DP, CP, the
 distributed optimizer) holds the same model from the same layout-independent initialisation, so
 its per-step losses and grad norms must equal the single-rank run's.
 """
@@ -22,6 +22,10 @@ LAYOUTS = {
     "tp2_sp": (MegatronLayout(tp=2, sequence_parallel=True), 2),
     "dp2": (MegatronLayout(), 2),
     "dp2_distopt": (MegatronLayout(use_distributed_optimizer=True), 2),
+    # Context parallel: the project's all-gather CP attention (parallel/context_parallel.py).
+    "cp2": (MegatronLayout(cp=2), 2),
+    "cp2_tp2": (MegatronLayout(cp=2, tp=2, sequence_parallel=True), 4),
+    "cp2_pp2": (MegatronLayout(cp=2, pp=2), 4),
 }
 
 _cache: dict = {}
