@@ -37,6 +37,65 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: 
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+# How the HF tensors of a rule sit inside the Megatron tensor and how it is split over TP ranks.
+WEIGHT_KINDS = {
+    "replicated": "one HF tensor, whole on every TP rank (norms)",
+    "column": "one HF tensor split along dim 0 over TP",
+    "row": "one HF tensor split along dim 1 over TP (o_proj, down_proj)",
+    "vocab": "one HF tensor, rows zero-padded to the padded vocab, split along dim 0 over TP",
+    "qkv": "(q, k, v): per query group g the rows [q heads of g; k_g; v_g], groups split over TP",
+    "gate_up": "(gate, up): rank r holds [gate rows of r; up rows of r]",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    """One Megatron parameter (name inside a GPTModel chunk) and the HF tensors it is made of.
+
+    ``{layer}`` in the names stands for the global (0-based) decoder layer index.
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in WEIGHT_KINDS:
+            raise ValueError(f"WeightRule.kind={self.kind!r}; expected one of {sorted(WEIGHT_KINDS)}")
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.megatron
+
+
+def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool) -> list[WeightRule]:
+    """Megatron local-spec GPT parameters <-> HF Llama-style names (Llama, Qwen2, Qwen3, Mistral)."""
+    layer, attn, mlp = "decoder.layers.{layer}", "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
+    rules = [
+        WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+        WeightRule(f"{layer}.input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",), "replicated"),
+        WeightRule(f"{layer}.self_attention.linear_qkv.weight",
+                   (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), "qkv"),
+        WeightRule(f"{layer}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), "row"),
+        WeightRule(f"{layer}.pre_mlp_layernorm.weight",
+                   ("model.layers.{layer}.post_attention_layernorm.weight",), "replicated"),
+        WeightRule(f"{layer}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), "gate_up"),
+        WeightRule(f"{layer}.mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), "row"),
+        WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    ]
+    if qkv_bias:
+        rules.append(WeightRule(f"{layer}.self_attention.linear_qkv.bias",
+                                (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), "qkv"))
+    if qk_norm:
+        rules.append(WeightRule(f"{layer}.self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), "replicated"))
+        rules.append(WeightRule(f"{layer}.self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), "replicated"))
+    # Tied: the output layer (present as a parameter only on the last stage when PP > 1) is a
+    # copy of the embedding; untied: it is lm_head.
+    lm_head = "model.embed_tokens.weight" if hf.get("tie_word_embeddings") else "lm_head.weight"
+    rules.append(WeightRule("output_layer.weight", (lm_head,), "vocab"))
+    return rules
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
     """One model family (Llama, Qwen2, ...): how its HF config maps onto megatron-core."""
@@ -114,6 +173,23 @@ class ModelFamily:
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
         )
+
+    def weight_rules(self, hf: Mapping[str, Any]) -> list[WeightRule]:
+        """Every Megatron parameter of this family and the HF tensors it is made of."""
+        self.validate(hf)
+        return gpt_weight_rules(hf, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+
+    def hf_tensor_names(self, hf: Mapping[str, Any]) -> list[str]:
+        """Every tensor an HF checkpoint of this config holds (tied models: no lm_head)."""
+        names = []
+        for rule in self.weight_rules(hf):
+            layers = range(hf["num_hidden_layers"]) if rule.per_layer else [None]
+            for layer in layers:
+                for name in rule.hf:
+                    name = name.format(layer=layer)
+                    if name not in names:
+                        names.append(name)
+        return names
 
     def gpt_model_kwargs(self, hf: Mapping[str, Any]) -> dict:
         """GPTModel keyword arguments (besides config, spec and pipeline placement)."""

@@ -238,6 +238,7 @@ def apply(only: tuple[str, ...] | None = None) -> bool:
         ".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
         ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
         "full scope is deprecated.*",
+        r".*torch\.distributed\.\w+` is deprecated.*",  # megatron's collectives, not ours
     ):
         warnings.filterwarnings("ignore", message=message)
     for name in only or tuple(PATCHES):

@@ -116,3 +116,58 @@ def compat_patches_in_isolation():
     out["sp_norm"] = (type(norm).__name__, all(p.sequence_parallel for p in norm.parameters()),
                       config.sequence_parallel)
     return out
+
+
+def convert_roundtrip(jobs, layout_kwargs, tokens):
+    """For each (hf_dir, export_dir): HF -> Megatron (this rank's shards) -> logits on ``tokens``
+    -> HF export at ``export_dir``. Returns the logits per job (last pipeline stage, else None)."""
+    from megatron.core import parallel_state
+
+    from parallel.convert import gather_hf_tensors, hf_config_for_export, load_hf_into_chunks, megatron_logits
+    from parallel.hf_io import HFCheckpoint, write_hf_checkpoint
+    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
+
+    layout = MegatronLayout(**layout_kwargs)
+    initialize_megatron(layout)
+    results = []
+    for hf_dir, export_dir in jobs:
+        ckpt = HFCheckpoint(hf_dir)
+        chunks = build_model_chunks(ckpt.config, layout)
+        for chunk in chunks:
+            chunk.eval()
+        load_hf_into_chunks(chunks, ckpt, layout)
+        logits = megatron_logits(chunks, tokens)
+        stream = gather_hf_tensors(chunks, ckpt.config, layout)
+        if dist.get_rank() == 0:
+            write_hf_checkpoint(export_dir, hf_config_for_export(ckpt.config, torch.float32), stream)
+        else:
+            for _ in stream:
+                pass
+        results.append(None if logits is None else logits[..., : ckpt.config["vocab_size"]])
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+def checkpoint_logits(hf_dir, ckpt_dir, layout_kwargs, tokens):
+    """Load weights (from HF if ``hf_dir`` else from the Megatron checkpoint ``ckpt_dir``) at a
+    layout, save them to ``ckpt_dir`` when coming from HF, and return the logits on ``tokens``."""
+    from megatron.core import parallel_state
+
+    from parallel.convert import load_hf_into_chunks, megatron_logits
+    from parallel.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata, save_megatron_checkpoint
+    from parallel.hf_io import HFCheckpoint
+    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
+
+    layout = MegatronLayout(**layout_kwargs)
+    initialize_megatron(layout)
+    if hf_dir:
+        ckpt = HFCheckpoint(hf_dir)
+        chunks = build_model_chunks(ckpt.config, layout)
+        load_hf_into_chunks(chunks, ckpt, layout)
+        save_megatron_checkpoint(chunks, ckpt_dir, ckpt.config, layout)
+    else:
+        chunks = build_model_chunks(read_checkpoint_metadata(ckpt_dir)["hf_config"], layout)
+        load_megatron_checkpoint(chunks, ckpt_dir)
+    logits = megatron_logits(chunks, tokens)
+    parallel_state.destroy_model_parallel()
+    return logits

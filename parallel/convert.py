@@ -1,0 +1,318 @@
+"""HF <-> Megatron weights at any TP/PP/VPP layout, driven by ``parallel.shards``.
+
+``load_hf_into_chunks`` runs on every rank and fills that rank's model chunks from an HF
+checkpoint, reading only the boxes the rank needs. ``gather_hf_tensors`` is the inverse: a
+collective that yields each full HF tensor on global rank 0 (one tensor at a time, so peak
+memory is the largest tensor), checking that every element was held by some rank and that
+replicas (TP-replicated norms, the tied output layer) agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from parallel.hf_io import CheckpointError, HFCheckpoint
+from parallel.layout import MegatronLayout
+from parallel.shards import LocalTensor, MegatronRank, hf_tensor_shapes, megatron_shards
+
+
+def _unwrap(chunk):
+    """A DDP/Float16 wrapper's GPTModel (wrappers prefix parameter names with 'module.')."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def this_megatron_rank() -> MegatronRank:
+    from megatron.core import parallel_state
+
+    return MegatronRank(
+        pp=parallel_state.get_pipeline_model_parallel_rank(), tp=parallel_state.get_tensor_model_parallel_rank()
+    )
+
+
+def _check_names(chunk_index: int, actual: set[str], expected: set[str]) -> None:
+    if actual != expected:
+        raise CheckpointError(
+            f"model chunk {chunk_index} parameters do not match the family's weight rules: "
+            f"not produced by the rules {sorted(actual - expected)}, rules without a parameter "
+            f"{sorted(expected - actual)}; the model was built with a different spec or family"
+        )
+
+
+def fill_local_tensor(dst: torch.Tensor, local: LocalTensor, ckpt: HFCheckpoint) -> None:
+    """Write every piece of ``local`` into ``dst`` (in place) from the checkpoint."""
+    if tuple(dst.shape) != local.shape:
+        raise CheckpointError(f"{local.name}: model holds shape {list(dst.shape)}, layout expects {list(local.shape)}")
+    for piece in local.pieces:
+        region = dst[tuple(slice(a, b) for a, b in piece.dst)]
+        if piece.hf is None:
+            region.zero_()
+        else:
+            region.copy_(ckpt.read_box(piece.hf, piece.src))
+
+
+def load_hf_into_chunks(chunks: list, ckpt: HFCheckpoint, layout: MegatronLayout) -> None:
+    """Fill this rank's GPTModel chunks from ``ckpt`` (call on every rank after building them)."""
+    expected = megatron_shards(ckpt.config, layout)[this_megatron_rank()]
+    with torch.no_grad():
+        for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
+            params = dict(_unwrap(chunk).named_parameters())
+            _check_names(index, set(params), set(tensors))
+            for name, param in params.items():
+                fill_local_tensor(param.data, tensors[name], ckpt)
+
+
+def _pieces_by_hf_name(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout):
+    """hf name -> [(source box, tensor view)] that this rank holds."""
+    expected = megatron_shards(hf, layout)[this_megatron_rank()]
+    held: dict[str, list] = {}
+    for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
+        params = dict(_unwrap(chunk).named_parameters())
+        _check_names(index, set(params), set(tensors))
+        for name, param in params.items():
+            for piece in tensors[name].pieces:
+                if piece.hf is not None:
+                    view = param.data[tuple(slice(a, b) for a, b in piece.dst)]
+                    held.setdefault(piece.hf, []).append((piece.src, view))
+    return held
+
+
+def gather_hf_tensors(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout,
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Collective over the world group: yields (name, full HF tensor) on rank 0 and (name, None)
+    elsewhere, for every tensor of the HF checkpoint, in checkpoint order."""
+    from megatron.core import parallel_state
+
+    held = _pieces_by_hf_name(chunks, hf, layout)
+    # Only one data-parallel / context-parallel replica contributes.
+    contributes = (parallel_state.get_data_parallel_rank() == 0
+                   and parallel_state.get_context_parallel_rank() == 0)
+    rank0 = dist.get_rank() == 0
+    for name, shape in hf_tensor_shapes(hf).items():
+        mine = [(box, view.clone()) for box, view in held.get(name, [])] if contributes else []
+        gathered = [None] * dist.get_world_size() if rank0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if not rank0:
+            yield name, None
+            continue
+        pieces = [piece for rank_pieces in gathered for piece in rank_pieces]
+        if not pieces:
+            raise CheckpointError(f"no rank holds any part of {name}")
+        full = torch.empty(shape, dtype=dtype or pieces[0][1].dtype)
+        covered = torch.zeros(shape, dtype=torch.bool)
+        for box, data in pieces:
+            index = tuple(slice(a, b) for a, b in box)
+            data = data.to(full.dtype)
+            if covered[index].any():
+                if not torch.equal(full[index][covered[index]], data[covered[index]]):
+                    raise CheckpointError(f"replicas of {name} box {box} differ between ranks")
+            full[index] = data
+            covered[index] = True
+        if not covered.all():
+            raise CheckpointError(f"{name}: {int((~covered).sum())} elements held by no rank")
+        yield name, full
+
+
+def hf_config_for_export(hf: Mapping[str, Any], dtype: torch.dtype) -> dict:
+    """config.json of an exported checkpoint: the source config with architecture and dtype set."""
+    from model_specs import family_for
+
+    config = dict(hf)
+    config["architectures"] = [family_for(hf).hf_architecture]
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    return config
+
+
+def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocab (padded) logits [batch, seq, vocab] of ``tokens`` through megatron's forward-only
+    schedule at any TP/PP/VPP layout; returned on the last pipeline stage, None elsewhere."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    collected = []
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
+        output = model(batch, positions, attention_mask=None)
+
+        def keep(output_tensor):
+            collected.append(tensor_parallel.gather_from_tensor_model_parallel_region(output_tensor))
+            return output_tensor.sum() * 0.0, {}
+
+        return output, keep
+
+    # The interleaved schedule needs at least PP micro-batches: split the batch into PP of them.
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    num_micro = pp if len(chunks) > 1 else 1
+    if tokens.shape[0] % num_micro:
+        raise ValueError(f"batch of {tokens.shape[0]} prompts cannot be split into {num_micro} micro-batches "
+                         f"(interleaved pipeline needs PP={pp}); use a multiple of {num_micro}")
+    micro_batches = list(tokens.chunk(num_micro))
+    iterators = [iter(micro_batches) for _ in chunks]
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=num_micro, seq_length=tokens.shape[1], micro_batch_size=micro_batches[0].shape[0],
+        forward_only=True,
+    )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat(collected).detach()
+
+
+# ----------------------------------------------------------------------------- conversion jobs
+
+
+def _log(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"megarl convert: {message}", flush=True)
+
+
+def peak_rss_bytes() -> int:
+    """Largest resident set of any rank so far (collective)."""
+    import resource
+
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+def _checksums_of(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout,
+                  reference: HFCheckpoint | None = None) -> dict[str, str]:
+    """Checksum of every HF tensor the chunks hold (rank 0; {} elsewhere); with ``reference``,
+    also require each tensor to equal the reference checkpoint's bit for bit."""
+    from parallel.hf_io import tensor_checksum
+
+    sums = {}
+    for name, tensor in gather_hf_tensors(chunks, hf, layout):
+        if tensor is None:
+            continue
+        if reference is not None:
+            source = reference.read(name).to(tensor.dtype)
+            if not torch.equal(source, tensor):
+                raise CheckpointError(f"{name}: converted weights differ from {reference.path} "
+                                      f"(max abs diff {float((source - tensor).abs().max()):.3g})")
+        sums[name] = tensor_checksum(tensor)
+    return sums
+
+
+PROBE_TOKENS = torch.tensor([[1, 5, 9, 14, 3, 7, 2, 8]])
+
+
+def logit_probe(chunks: list, hf_dir: str, max_params: float = 2e9, atol: float = 1e-4) -> str:
+    """Collective: compare the Megatron chunks' logits on a fixed prompt with HF transformers'
+    logits of ``hf_dir`` (run on the last pipeline stage). Returns a one-line result."""
+    hf = HFCheckpoint(hf_dir, check_tensors=False)
+    vocab = hf.config["vocab_size"]
+    tokens = PROBE_TOKENS % vocab
+    n_params = sum(torch.Size(hf.shape(name)).numel() for name in hf.names)
+    if n_params > max_params:
+        return f"logit probe skipped: {n_params / 1e9:.1f}B parameters exceed the CPU probe limit {max_params / 1e9:.1f}B"
+    from megatron.core import parallel_state
+
+    # The interleaved schedule needs one micro-batch per pipeline stage: repeat the prompt.
+    copies = parallel_state.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    logits = megatron_logits(chunks, tokens.expand(copies, -1).contiguous())
+    result = torch.tensor([0.0, 0.0], dtype=torch.float64)  # [max diff, reported]
+    if logits is not None and dist.get_rank() == dist.get_world_size() - 1:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            reference = model(tokens).logits
+        diff = (logits[:1, :, :vocab].float() - reference).abs().max()
+        result = torch.tensor([float(diff), 1.0], dtype=torch.float64)
+    dist.all_reduce(result)
+    if result[0] > atol:
+        raise CheckpointError(f"logit probe failed: max |megatron - HF| = {result[0]:.3g} > {atol}")
+    return f"logit probe passed: max |megatron - HF transformers| = {result[0]:.2g} (atol {atol})"
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bool = True) -> dict:
+    """Collective: convert an HF checkpoint into a Megatron dist checkpoint, sharded at ``layout``."""
+    import time
+
+    from parallel.dist_ckpt import load_megatron_checkpoint, save_megatron_checkpoint
+    from parallel.layout import build_model_chunks, initialize_megatron
+
+    start = time.monotonic()
+    ckpt = HFCheckpoint(hf_dir)
+    layout.validate(dist.get_world_size(), ckpt.config)
+    initialize_megatron(layout)
+    _log(f"{hf_dir} -> {out_dir} at tp={layout.tp} pp={layout.pp} vpp={layout.vpp} on {dist.get_world_size()} rank(s)")
+    chunks = build_model_chunks(ckpt.config, layout)
+    load_hf_into_chunks(chunks, ckpt, layout)
+    _log(f"loaded this layout's shards in {time.monotonic() - start:.1f} s; checking every tensor against the source")
+    checksums = _checksums_of(chunks, ckpt.config, layout, reference=ckpt)
+    save_megatron_checkpoint(chunks, out_dir, ckpt.config, layout, checksums)
+    _log(f"saved {out_dir} in {time.monotonic() - start:.1f} s")
+    report = {"tensors": len(hf_tensor_shapes(ckpt.config))}
+    if verify:
+        fresh = build_model_chunks(ckpt.config, layout)
+        load_megatron_checkpoint(fresh, out_dir)
+        reloaded = _checksums_of(fresh, ckpt.config, layout)
+        if dist.get_rank() == 0 and reloaded != checksums:
+            bad = sorted(k for k in checksums if reloaded.get(k) != checksums[k])
+            raise CheckpointError(f"{out_dir}: tensors read back differ from the source: {bad[:5]}")
+        _log(f"verified: {len(checksums)} tensors read back bit-exact; " + logit_probe(fresh, hf_dir))
+    report.update(seconds=time.monotonic() - start, peak_rss_bytes=peak_rss_bytes())
+    return report
+
+
+def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: bool = True) -> dict:
+    """Collective: export a Megatron dist checkpoint (saved at any layout) as an HF checkpoint."""
+    import time
+
+    from parallel.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
+    from parallel.hf_io import write_hf_checkpoint
+    from parallel.layout import build_model_chunks, initialize_megatron
+
+    start = time.monotonic()
+    metadata = read_checkpoint_metadata(ckpt_dir)
+    hf = metadata["hf_config"]
+    layout.validate(dist.get_world_size(), hf)
+    initialize_megatron(layout)
+    _log(f"{ckpt_dir} (saved at {metadata['saved_layout']}) -> {out_dir} via tp={layout.tp} pp={layout.pp}")
+    chunks = build_model_chunks(hf, layout)
+    load_megatron_checkpoint(chunks, ckpt_dir)
+    stream = _matching_checksums(gather_hf_tensors(chunks, hf, layout), metadata.get("checksums") or {}, ckpt_dir)
+    if dist.get_rank() == 0:
+        write_hf_checkpoint(out_dir, hf_config_for_export(hf, torch.float32), stream)
+    else:
+        for _ in stream:
+            pass
+    dist.barrier()
+    _log(f"wrote {out_dir} in {time.monotonic() - start:.1f} s")
+    if verify:
+        HFCheckpoint(out_dir)  # every tensor present with the right shape
+        _log("verified: key coverage and shapes; " + logit_probe(chunks, out_dir))
+    return {"tensors": len(hf_tensor_shapes(hf)), "seconds": time.monotonic() - start,
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def _matching_checksums(stream, recorded: Mapping[str, str], source: str):
+    """Pass tensors through, failing (before anything is renamed into place) on any tensor whose
+    checksum differs from the one recorded when the checkpoint was saved."""
+    from parallel.hf_io import tensor_checksum
+
+    for name, tensor in stream:
+        if tensor is not None and name in recorded and tensor_checksum(tensor) != recorded[name]:
+            raise CheckpointError(f"{source}: {name} differs from the checksum recorded at save (corrupted?)")
+        yield name, tensor
+
+
+def conversion_on_rank(direction: str, source: str, target: str, layout: MegatronLayout, verify: bool) -> dict:
+    """Entry point of one conversion rank (torch.distributed already initialised)."""
+    from megatron.core import parallel_state
+
+    job = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}[direction]
+    try:
+        return job(source, target, layout, verify=verify)
+    finally:
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,96 @@
+"""Megatron distributed checkpoints of model weights: atomic save, load at any layout.
+
+The checkpoint is megatron.core.dist_checkpointing's ``torch_dist`` format (global tensors,
+layout-independent), plus ``megarl_checkpoint.json``: the HF config of the model, the layout it
+was saved from, and per-HF-tensor checksums, so a load can verify what it got and an export can
+recreate config.json. Saves go to a hidden partial directory that is renamed when every rank has
+finished: a crash never leaves something that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from parallel.hf_io import CheckpointError
+from parallel.layout import MegatronLayout
+
+METADATA_FILE = "megarl_checkpoint.json"
+FORMAT_VERSION = 1
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _sharded_state_dict(chunks: list) -> dict:
+    return {f"chunk{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def partial_dir(target: Path) -> Path:
+    return target.parent / f".{target.name}.partial"
+
+
+def save_megatron_checkpoint(
+    chunks: list, target: str | Path, hf_config: Mapping[str, Any], layout: MegatronLayout,
+    checksums: Mapping[str, str] | None = None,
+) -> Path:
+    """Collective over all ranks: save the model chunks at ``target`` (refused if it exists)."""
+    from megatron.core import dist_checkpointing
+
+    target = Path(target)
+    if target.exists():
+        raise CheckpointError(f"{target} already exists; choose a new output directory or remove it")
+    partial = partial_dir(target)
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(chunks), str(partial))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "hf_config": dict(hf_config),
+            "saved_layout": dataclasses.asdict(layout),
+            "checksums": dict(checksums or {}),
+        }
+        (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=1, sort_keys=True))
+        partial.rename(target)
+    dist.barrier()
+    return target
+
+
+def read_checkpoint_metadata(path: str | Path) -> dict:
+    """megarl's metadata of a checkpoint directory, with a clear error if it is not one."""
+    path = Path(path)
+    file = path / METADATA_FILE
+    if not file.is_file():
+        hint = " (an unfinished save? it was never renamed into place)" if partial_dir(path).exists() else ""
+        raise CheckpointError(f"{path} is not a megarl Megatron checkpoint: {file} is missing{hint}")
+    metadata = json.loads(file.read_text())
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{file}: format_version={metadata.get('format_version')}, this megarl reads {FORMAT_VERSION}")
+    return metadata
+
+
+def load_megatron_checkpoint(chunks: list, path: str | Path) -> dict:
+    """Collective: load weights saved at any layout into this layout's chunks (in place).
+    Returns the checkpoint's metadata."""
+    from megatron.core import dist_checkpointing
+
+    metadata = read_checkpoint_metadata(path)
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
+    for i, chunk in enumerate(chunks):
+        missing, unexpected = _unwrap(chunk).load_state_dict(loaded[f"chunk{i}"], strict=False)
+        missing = [name for name in missing if not name.endswith("_extra_state")]
+        if missing or unexpected:
+            raise CheckpointError(f"{path}: chunk {i} missing {missing}, unexpected {unexpected}")
+    return metadata

@@ -1,0 +1,205 @@
+"""Where every shard of every parameter lives, as boxes of the canonical (HF) tensors.
+
+A layout's local tensor (one parameter on one rank) is described as a list of ``Piece``s: each
+piece says "this box of the local tensor holds that box of HF tensor X" (or zeros, for vocab
+padding). The HF checkpoint is the canonical coordinate system shared by every layout, so
+any two layouts can be related by intersecting boxes (see ``parallel/plan.py``), and a layout's
+description can be checked on its own: every element of every local tensor covered exactly once.
+
+``megatron_shards`` derives the description of a Megatron TP/PP/VPP layout from a family's
+weight rules and megatron's own layer numbering, without building the model (so it plans 70B
+models on a laptop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from model_specs import family_for, padded_vocab_size
+from parallel.layout import MegatronLayout, megatron_config
+
+Box = tuple[tuple[int, int], ...]  # per dimension [start, stop)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """``dst`` box of the local tensor holds ``src`` box of canonical tensor ``hf`` (None: zeros)."""
+
+    dst: Box
+    hf: str | None
+    src: Box
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTensor:
+    """One parameter as one rank holds it."""
+
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronRank:
+    """A model-parallel position: data-parallel replicas hold the same tensors."""
+
+    pp: int
+    tp: int
+
+
+def box_volume(box: Box) -> int:
+    return math.prod(stop - start for start, stop in box)
+
+
+def full_box(shape) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def _rows(box: Box, start: int, stop: int) -> Box:
+    """``box`` with its dim-0 range replaced."""
+    return ((start, stop), *box[1:])
+
+
+def check_coverage(tensor: LocalTensor) -> None:
+    """Raise unless the pieces cover every element of ``tensor`` exactly once, in bounds,
+    with source and destination boxes of equal extent."""
+    for piece in tensor.pieces:
+        if len(piece.dst) != len(tensor.shape) or any(
+            not 0 <= a < b <= n for (a, b), n in zip(piece.dst, tensor.shape)
+        ):
+            raise ValueError(f"{tensor.name}: piece {piece} is outside shape {tensor.shape}")
+        if piece.hf is not None and [b - a for a, b in piece.dst] != [b - a for a, b in piece.src]:
+            raise ValueError(f"{tensor.name}: piece {piece} has source and destination of different extents")
+    covered = sum(box_volume(p.dst) for p in tensor.pieces)
+    if covered != math.prod(tensor.shape):
+        raise ValueError(f"{tensor.name}: pieces cover {covered} elements of {math.prod(tensor.shape)}")
+    for i, a in enumerate(tensor.pieces):
+        for b in tensor.pieces[i + 1:]:
+            if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a.dst, b.dst)):
+                raise ValueError(f"{tensor.name}: pieces {a} and {b} overlap")
+
+
+def _split_rows(hf_name: str, hf_shape, rank: int, parts: int, dst_row: int) -> tuple[Piece, int]:
+    """Rank ``rank``'s 1/parts of an HF tensor's rows, placed at local row ``dst_row``."""
+    rows = hf_shape[0] // parts
+    src = _rows(full_box(hf_shape), rank * rows, (rank + 1) * rows)
+    return Piece(_rows(full_box(hf_shape), dst_row, dst_row + rows), hf_name, src), dst_row + rows
+
+
+def rule_pieces(kind: str, hf_names, hf_shapes, tp_rank: int, tp: int, padded_rows: int | None,
+                heads_per_group: int = 1, head_dim: int = 1) -> tuple[tuple[int, ...], list[Piece]]:
+    """Local shape and pieces of one Megatron parameter on TP rank ``tp_rank`` (see WEIGHT_KINDS)."""
+    shape0 = hf_shapes[0]
+    if kind == "replicated":
+        return tuple(shape0), [Piece(full_box(shape0), hf_names[0], full_box(shape0))]
+    if kind == "column":
+        piece, rows = _split_rows(hf_names[0], shape0, tp_rank, tp, 0)
+        return (rows, *shape0[1:]), [piece]
+    if kind == "row":
+        cols = shape0[1] // tp
+        box = ((0, shape0[0]), (tp_rank * cols, (tp_rank + 1) * cols), *full_box(shape0)[2:])
+        return (shape0[0], cols, *shape0[2:]), [Piece(((0, shape0[0]), (0, cols), *box[2:]), hf_names[0], box)]
+    if kind == "vocab":
+        rows = padded_rows // tp
+        start, stop = tp_rank * rows, (tp_rank + 1) * rows
+        local = (rows, *shape0[1:])
+        pieces = []
+        real_stop = min(stop, shape0[0])
+        if real_stop > start:
+            pieces.append(Piece(_rows(full_box(local), 0, real_stop - start), hf_names[0],
+                                _rows(full_box(shape0), start, real_stop)))
+        if stop > max(start, shape0[0]):
+            pad_start = max(start, shape0[0]) - start
+            pieces.append(Piece(_rows(full_box(local), pad_start, rows), None, ()))
+        return local, pieces
+    if kind == "gate_up":
+        gate, dst = _split_rows(hf_names[0], hf_shapes[0], tp_rank, tp, 0)
+        up, dst = _split_rows(hf_names[1], hf_shapes[1], tp_rank, tp, dst)
+        return (dst, *shape0[1:]), [gate, up]
+    if kind == "qkv":
+        q_shape, k_shape, v_shape = hf_shapes
+        groups = k_shape[0] // head_dim
+        local_groups = groups // tp
+        q_rows, kv_rows = heads_per_group * head_dim, head_dim
+        pieces, dst = [], 0
+        for group in range(tp_rank * local_groups, (tp_rank + 1) * local_groups):
+            for name, shape, rows in ((hf_names[0], q_shape, q_rows), (hf_names[1], k_shape, kv_rows),
+                                      (hf_names[2], v_shape, kv_rows)):
+                src = _rows(full_box(shape), group * rows, (group + 1) * rows)
+                pieces.append(Piece(_rows(full_box(shape), dst, dst + rows), name, src))
+                dst += rows
+        return (dst, *shape0[1:]), pieces
+    raise ValueError(f"unknown weight kind {kind!r}")
+
+
+def hf_tensor_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor of the HF checkpoint of ``hf`` (derived from the config alone)."""
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hidden // heads
+    ffn, vocab = hf["intermediate_size"], hf["vocab_size"]
+    by_suffix = {
+        "embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+        "norm.weight": (hidden,), "layernorm.weight": (hidden,),
+        "q_proj.weight": (heads * head_dim, hidden), "q_proj.bias": (heads * head_dim,),
+        "k_proj.weight": (kv_heads * head_dim, hidden), "k_proj.bias": (kv_heads * head_dim,),
+        "v_proj.weight": (kv_heads * head_dim, hidden), "v_proj.bias": (kv_heads * head_dim,),
+        "o_proj.weight": (hidden, heads * head_dim), "q_norm.weight": (head_dim,), "k_norm.weight": (head_dim,),
+        "gate_proj.weight": (ffn, hidden), "up_proj.weight": (ffn, hidden), "down_proj.weight": (hidden, ffn),
+    }
+    shapes = {}
+    for name in family_for(hf).hf_tensor_names(hf):
+        suffix = next(s for s in by_suffix if name.endswith(s))
+        shapes[name] = by_suffix[suffix]
+    return shapes
+
+
+def megatron_shards(
+    hf: Mapping[str, Any], layout: MegatronLayout, make_vocab_size_divisible_by: int = 128
+) -> dict[MegatronRank, list[dict[str, LocalTensor]]]:
+    """For every (pp, tp) rank, per virtual-pipeline chunk, the local tensors of its GPTModel
+    chunk keyed by megatron's parameter name (local layer indices, as in named_parameters())."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layout.validate(layout.tp * layout.pp * layout.cp, hf)
+    family = family_for(hf)
+    rules = family.weight_rules(hf)
+    shapes = hf_tensor_shapes(hf)
+    config = megatron_config(hf, layout)
+    padded = padded_vocab_size(hf["vocab_size"], make_vocab_size_divisible_by, layout.tp)
+    heads_per_group = config.num_attention_heads // config.num_query_groups
+    tied = bool(hf.get("tie_word_embeddings"))
+    chunks_per_stage = layout.vpp or 1
+    result: dict[MegatronRank, list[dict[str, LocalTensor]]] = {}
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            chunks = []
+            for vp in range(chunks_per_stage):
+                vp_stage = vp if layout.vpp else None
+                first = pp_rank == 0 and vp == 0
+                last = pp_rank == layout.pp - 1 and vp == chunks_per_stage - 1
+                offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+                count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+                tensors = {}
+                for rule in rules:
+                    if rule.per_layer:
+                        placements = [(rule.megatron.format(layer=i), offset + i) for i in range(count)]
+                    elif rule.megatron.startswith("embedding."):
+                        placements = [(rule.megatron, None)] if first else []
+                    elif rule.megatron.startswith("output_layer."):
+                        placements = [(rule.megatron, None)] if last and not (tied and first) else []
+                    else:  # final norm
+                        placements = [(rule.megatron, None)] if last else []
+                    for local_name, global_layer in placements:
+                        names = [n.format(layer=global_layer) for n in rule.hf]
+                        shape, pieces = rule_pieces(
+                            rule.kind, names, [shapes[n] for n in names], tp_rank, layout.tp, padded,
+                            heads_per_group=heads_per_group, head_dim=config.kv_channels,
+                        )
+                        tensors[local_name] = LocalTensor(local_name, shape, tuple(pieces))
+                chunks.append(tensors)
+            result[MegatronRank(pp_rank, tp_rank)] = chunks
+    return result
