@@ -37,6 +37,62 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if last < first else 1
 
 
+def _check_config(args: argparse.Namespace) -> int:
+    """Load a run config (YAML + presets + key=value overrides), validate it, print it resolved."""
+    from megarl.config import ConfigError, load_config, to_yaml
+
+    try:
+        config = load_config(args.config, args.overrides, check_files=not args.skip_file_checks)
+    except ConfigError as error:
+        for line in error.problems:
+            print(f"megarl: config error: {line}", file=sys.stderr)
+        return 2
+    print(to_yaml(config), end="")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    """Convert HF safetensors <-> Megatron distributed checkpoints at any TP/PP/VPP layout."""
+    import os
+    from pathlib import Path
+
+    from parallel.convert import conversion_on_rank
+    from parallel.dist_ckpt import read_checkpoint_metadata
+    from parallel.hf_io import CheckpointError, HFCheckpoint
+    from parallel.layout import LayoutError, MegatronLayout
+    from parallel.spawn import run_on_ranks
+
+    layout = MegatronLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    under_launcher = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher else layout.tp * layout.pp
+    try:  # everything checkable is checked here, before any rank starts
+        if Path(args.output).exists():
+            raise CheckpointError(f"--output {args.output} already exists; choose a new directory or remove it")
+        if args.direction == "hf-to-megatron":
+            hf_config = HFCheckpoint(args.input).config
+        else:
+            hf_config = read_checkpoint_metadata(args.input)["hf_config"]
+        layout.validate(world, hf_config)
+    except (CheckpointError, LayoutError, ValueError) as error:
+        print(f"megarl convert: {error}", file=sys.stderr)
+        return 2
+    if under_launcher:  # torchrun / srun: this process is one rank
+        import torch.distributed as dist
+
+        from parallel import cpu_compat
+
+        dist.init_process_group("gloo" if cpu_compat.apply() else "nccl")
+        report = conversion_on_rank(args.direction, args.input, args.output, layout, not args.no_verify)
+        dist.destroy_process_group()
+    else:
+        report = run_on_ranks(conversion_on_rank, world, args.direction, args.input, args.output, layout,
+                              not args.no_verify, timeout_s=args.timeout)[0]
+    if not under_launcher or os.environ.get("RANK") == "0":
+        print(f"megarl convert: done: {report['tensors']} tensors in {report['seconds']:.1f} s, "
+              f"peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB (largest rank)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,11 +106,38 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=8)
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before all ranks are killed")
     demo.set_defaults(func=_demo)
+    check = sub.add_parser("check-config", help=_check_config.__doc__)
+    check.add_argument("config", help="run config YAML (e.g. configs/quickstart_grpo.yaml)")
+    check.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rollout.n=8 actor.optim.lr=1e-6")
+    check.add_argument("--skip-file-checks", action="store_true",
+                       help="do not require data files and the resume checkpoint to exist on this machine")
+    # Overrides may also follow the options (argparse alone stops a nargs="*" list at the first option).
+    check.set_defaults(func=_check_config, trailing_positionals="overrides")
+
+    convert = sub.add_parser("convert", help=_convert.__doc__, description=_convert.__doc__ + (
+        " Runs tp*pp local ranks, or one rank per process under torchrun/srun (WORLD_SIZE/RANK set). "
+        "Verification (on by default): every tensor checked against the source, checksums recorded, "
+        "the written checkpoint read back, and a logit probe against HF transformers."))
+    convert.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
+    convert.add_argument("--input", required=True, help="HF checkpoint dir, or megarl Megatron checkpoint dir")
+    convert.add_argument("--output", required=True, help="new directory (written atomically)")
+    convert.add_argument("--tp", type=int, default=1, help="layout used for the conversion ranks")
+    convert.add_argument("--pp", type=int, default=1)
+    convert.add_argument("--vpp", type=int, default=None)
+    convert.add_argument("--no-verify", action="store_true", help="skip read-back and logit probe")
+    convert.add_argument("--timeout", type=float, default=3600.0)
+    convert.set_defaults(func=_convert)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    trailing = getattr(args, "trailing_positionals", None)
+    if extra:
+        if trailing is None or any(arg.startswith("-") for arg in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        setattr(args, trailing, [*getattr(args, trailing), *extra])
     return args.func(args)
 
 

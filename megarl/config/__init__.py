@@ -1,0 +1,65 @@
+"""Typed configuration of an RL run: schema, YAML presets and overrides, validation, saving.
+
+    from megarl.config import load_config, save_resolved
+    config = load_config("configs/quickstart_grpo.yaml", ["rollout.n=8", "actor.optim.lr=1e-5"])
+    save_resolved(config, run_dir)        # run_dir/resolved_config.yaml, written atomically
+
+* ``schema``: the dataclasses (``RunConfig`` and one per section) with tiny-CPU-run defaults.
+* ``loader``: ``defaults:`` preset composition (``configs/<group>/<name>.yaml``), dotted
+  ``key=value`` overrides, typed conversion (unknown keys, wrong types), YAML out.
+* ``validate``: ranges, registry names, model/layout/pool/micro-batch consistency, files.
+
+Every problem is a ``ConfigError`` (a ValueError) with one line per problem, naming the dotted
+key, the bad value and the fix. Importing this package does not import torch; validation does
+(through ``parallel.layout`` and the algorithm registry).
+"""
+
+from megarl.config.errors import ConfigError
+from megarl.config.loader import (
+    CONFIGS_DIR,
+    RESOLVED_NAME,
+    apply_override,
+    compose,
+    deep_merge,
+    from_dict,
+    load_config,
+    parse_value,
+    save_resolved,
+    to_dict,
+    to_yaml,
+)
+from megarl.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    ClusterConfig,
+    CriticConfig,
+    DataConfig,
+    DynamicSamplingConfig,
+    KLLossConfig,
+    KLPenaltyConfig,
+    LayoutConfig,
+    ModelConfig,
+    OptimSettings,
+    OverlongPenaltyConfig,
+    RefConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+)
+
+
+def validate_config(config: RunConfig, *, check_files: bool = True) -> None:
+    """Raise ConfigError (one line per problem) if ``config`` cannot work; see ``validate``."""
+    from megarl.config.validate import validate_config as _validate
+
+    _validate(config, check_files=check_files)
+
+
+__all__ = [
+    "CONFIGS_DIR", "RESOLVED_NAME", "ActorConfig", "AlgorithmConfig", "ClusterConfig", "ConfigError",
+    "CriticConfig", "DataConfig", "DynamicSamplingConfig", "KLLossConfig", "KLPenaltyConfig", "LayoutConfig",
+    "ModelConfig", "OptimSettings", "OverlongPenaltyConfig", "RefConfig", "RewardConfig", "RolloutConfig",
+    "RunConfig", "TrainerConfig", "apply_override", "compose", "deep_merge", "from_dict", "load_config",
+    "parse_value", "save_resolved", "to_dict", "to_yaml", "validate_config",
+]

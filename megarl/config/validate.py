@@ -1,0 +1,498 @@
+"""Semantic checks of a typed RunConfig, before any process, model or engine exists.
+
+Each problem is one self-contained line ``<dotted.key>=<value>: <what is wrong>; <the fix>``;
+all problems are collected and raised together as one ``ConfigError``. What is checked:
+
+* ranges (learning rate > 0, rollout.n >= 1, temperature >= 0, clip ratios, ...);
+* registry names (advantage estimator, policy loss, loss aggregation mode, KL estimators,
+  reward functions, reward backend), listing the valid names;
+* the model: a preset name or a local directory with config.json, of a supported family;
+* resources: the pools each role names exist and fit in the cluster;
+* Megatron layouts of actor / critic / reference against their pool's size and the model
+  (``parallel.layout.MegatronLayout.validate``: TP*PP*CP divides the world, heads and KV heads
+  divisible by TP, layers by PP*VPP);
+* micro-batches: the batch splits over data-parallel ranks and micro-batches, and with VPP the
+  micro-batch count is a multiple of PP (megatron's interleaved schedule);
+* the rollout's SGLang tensor parallelism against the model's heads and its pool;
+* cross-section needs: GAE needs a critic, a KL term needs the reference, group-based
+  estimators and dynamic sampling need rollout.n >= 2, prompt + response fit the model's
+  positions;
+* files: data files and a resume checkpoint exist (``check_files=False`` skips this).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from megarl.config.errors import ConfigError, show
+from megarl.config.schema import LayoutConfig, RunConfig
+
+# Built-in estimators whose baseline comes from the other samples of the same prompt.
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline", "prime")
+# Built-in estimators that need a value model.
+CRITIC_ESTIMATORS = ("gae",)
+DATA_SUFFIXES = (".parquet", ".jsonl")
+# Keys whose bad values make the parallel-size cross-checks meaningless.
+_SIZE_KEYS = ("rollout.n=", "rollout.tp=", "data.batch_size=", "cluster.") + tuple(
+    f"{role}.{k}=" for role in ("actor", "critic", "ref") for k in ("micro_batch_size", "mini_batch_size")
+)
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, key: str, value: Any, problem: str, fix: str) -> None:
+        self.lines.append(f"{key}={show(value)}: {problem}; {fix}")
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+    def check(self, ok: bool, key: str, value: Any, problem: str, fix: str) -> bool:
+        if not ok:
+            self.add(key, value, problem, fix)
+        return ok
+
+
+def model_hf_config(path: str) -> dict:
+    """The HF config dict of ``model.path``: a local directory's config.json, else a preset.
+
+    ValueError (one line) if it is neither, or the file is unreadable.
+    """
+    from model_specs.presets import PRESETS, hf_config_dict
+
+    local = Path(path).expanduser()
+    if local.is_dir():
+        config_json = local / "config.json"
+        if not config_json.is_file():
+            raise ValueError("the directory has no config.json; point it at an HF model directory")
+        try:
+            return json.loads(config_json.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{config_json} cannot be read as JSON ({exc}); fix or re-download it") from None
+    if path in PRESETS:
+        return hf_config_dict(path)
+    import difflib
+
+    close = difflib.get_close_matches(path, list(PRESETS), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(
+        f"is neither a local model directory nor a model preset; {hint}presets: {', '.join(sorted(PRESETS))} "
+        "(download a hub model first, e.g. with huggingface-cli download, and give its directory)"
+    )
+
+
+def _range_checks(cfg: RunConfig, p: _Problems) -> None:
+    for role in ("actor", "critic"):
+        section = getattr(cfg, role)
+        if role == "critic" and not section.enabled:
+            continue
+        o = section.optim
+        k = f"{role}.optim"
+        p.check(o.lr > 0, f"{k}.lr", o.lr, "the learning rate must be > 0", "set a positive value such as 1e-6")
+        for i, beta in enumerate(o.betas):
+            p.check(0 <= beta < 1, f"{k}.betas[{i}]", beta, "Adam betas must be in [0, 1)",
+                    "use e.g. [0.9, 0.999]")
+        p.check(o.eps > 0, f"{k}.eps", o.eps, "must be > 0", "use e.g. 1e-8")
+        p.check(o.weight_decay >= 0, f"{k}.weight_decay", o.weight_decay, "must be >= 0", "use 0.0 or e.g. 0.01")
+        p.check(o.clip_grad >= 0, f"{k}.clip_grad", o.clip_grad, "must be >= 0 (0 turns clipping off)",
+                "use e.g. 1.0")
+        p.check(o.lr_warmup_steps >= 0, f"{k}.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0", "use 0 for none")
+        p.check(0 <= o.min_lr <= max(o.lr, 0), f"{k}.min_lr", o.min_lr, f"must be in [0, lr={o.lr}]",
+                "use 0.0 or a fraction of lr")
+        p.check(section.micro_batch_size >= 1, f"{role}.micro_batch_size", section.micro_batch_size,
+                "must be >= 1", "use e.g. 1")
+        budget = section.max_tokens_per_micro_batch
+        if budget is not None:
+            need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+            p.check(budget >= need, f"{role}.max_tokens_per_micro_batch", budget,
+                    f"a full sequence (data.max_prompt_length + rollout.max_new_tokens = {need} tokens) must fit "
+                    "in one micro-batch", f"set it to at least {need}, or null to use micro_batch_size")
+        mini = section.mini_batch_size
+        if mini is not None and p.check(mini >= 1, f"{role}.mini_batch_size", mini, "must be >= 1",
+                                        "use null for the whole batch"):
+            p.check(cfg.data.batch_size % mini == 0, f"{role}.mini_batch_size", mini,
+                    f"must divide data.batch_size={cfg.data.batch_size} (optimizer steps per RL step = "
+                    "batch_size / mini_batch_size)",
+                    f"pick one of {_divisors(cfg.data.batch_size)} or null")
+        p.check(section.ppo_epochs >= 1, f"{role}.ppo_epochs", section.ppo_epochs, "must be >= 1", "use 1")
+
+    a = cfg.actor
+    p.check(0 <= a.clip_ratio_low < 1, "actor.clip_ratio_low", a.clip_ratio_low, "must be in [0, 1)",
+            "use 0.2 (PPO) or 3e-4 (GSPO)")
+    if a.clip_ratio_high is not None:
+        p.check(a.clip_ratio_high >= 0, "actor.clip_ratio_high", a.clip_ratio_high, "must be >= 0",
+                "use null (= clip_ratio_low) or e.g. 0.28 (DAPO clip-higher)")
+    if a.clip_ratio_c is not None:
+        p.check(a.clip_ratio_c > 1, "actor.clip_ratio_c", a.clip_ratio_c, "the dual-clip bound must be > 1",
+                "use 3.0, or null to turn dual-clip off")
+        p.check(a.policy_loss == "ppo", "actor.clip_ratio_c", a.clip_ratio_c,
+                f"dual-clip only applies to actor.policy_loss='ppo' (got {a.policy_loss!r})", "set it to null")
+    p.check(a.entropy_coef >= 0, "actor.entropy_coef", a.entropy_coef, "must be >= 0", "use 0.0 or e.g. 0.001")
+    p.check(a.kl_loss.coef >= 0, "actor.kl_loss.coef", a.kl_loss.coef, "must be >= 0", "use e.g. 0.001")
+    if a.kl_loss.clamp is not None:
+        p.check(a.kl_loss.clamp > 0, "actor.kl_loss.clamp", a.kl_loss.clamp, "must be > 0", "use 10.0 or null")
+    if cfg.critic.enabled and cfg.critic.value_clip is not None:
+        p.check(cfg.critic.value_clip >= 0, "critic.value_clip", cfg.critic.value_clip, "must be >= 0",
+                "use e.g. 0.5, or null for an unclipped value loss")
+    p.check(cfg.ref.micro_batch_size >= 1, "ref.micro_batch_size", cfg.ref.micro_batch_size, "must be >= 1",
+            "use e.g. 1")
+
+    r = cfg.rollout
+    p.check(r.tp >= 1, "rollout.tp", r.tp, "must be >= 1", "use 1 or a divisor of the model's heads")
+    p.check(r.n >= 1, "rollout.n", r.n, "samples per prompt must be >= 1", "use e.g. 8 for GRPO, 1 for PPO")
+    p.check(r.temperature >= 0, "rollout.temperature", r.temperature, "must be >= 0 (0 = greedy)", "use e.g. 1.0")
+    p.check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]", "use 1.0 to turn it off")
+    p.check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "must be -1 (off) or >= 1", "use -1")
+    p.check(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "must be >= 1", "use e.g. 256")
+    p.check(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", r.mem_fraction_static,
+            "must be in (0, 1)", "use e.g. 0.5 when colocated, 0.85 on a separate pool")
+
+    al = cfg.algorithm
+    p.check(0 <= al.gamma <= 1, "algorithm.gamma", al.gamma, "must be in [0, 1]", "use 1.0 for LLM RL")
+    p.check(0 <= al.lam <= 1, "algorithm.lam", al.lam, "must be in [0, 1]", "use 0.95 (PPO) or 1.0")
+    kp = al.kl_penalty
+    p.check(kp.coef >= 0, "algorithm.kl_penalty.coef", kp.coef, "must be >= 0", "use e.g. 0.001")
+    if kp.enabled and kp.controller == "adaptive":
+        p.check(kp.target > 0, "algorithm.kl_penalty.target", kp.target, "the target KL must be > 0", "use e.g. 0.1")
+        p.check(kp.horizon >= 1, "algorithm.kl_penalty.horizon", kp.horizon, "must be >= 1", "use e.g. 10000")
+    p.check(al.dynamic_sampling.max_rounds >= 1, "algorithm.dynamic_sampling.max_rounds",
+            al.dynamic_sampling.max_rounds, "must be >= 1", "use e.g. 10")
+    op = al.overlong_penalty
+    if op.buffer_len is not None:
+        p.check(1 <= op.buffer_len <= r.max_new_tokens, "algorithm.overlong_penalty.buffer_len", op.buffer_len,
+                f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}]",
+                "use null (20% of max_new_tokens) or a smaller value")
+    p.check(op.penalty_factor >= 0, "algorithm.overlong_penalty.penalty_factor", op.penalty_factor,
+            "must be >= 0", "use 1.0")
+
+    d = cfg.data
+    p.check(d.batch_size >= 1, "data.batch_size", d.batch_size, "prompts per step must be >= 1", "use e.g. 8")
+    p.check(d.max_prompt_length >= 1, "data.max_prompt_length", d.max_prompt_length, "must be >= 1", "use e.g. 512")
+    p.check(bool(d.prompt_key), "data.prompt_key", d.prompt_key, "must not be empty", "use \"prompt\"")
+    if d.prompt_template is not None:
+        p.check("{prompt}" in d.prompt_template, "data.prompt_template", d.prompt_template,
+                "must contain the {prompt} placeholder", "write e.g. \"Q: {prompt}\\nA:\"")
+    for k in ("train_files", "val_files"):
+        for i, f in enumerate(getattr(d, k)):
+            p.check(f.endswith(DATA_SUFFIXES), f"data.{k}[{i}]", f, "prompt files must be .parquet or .jsonl",
+                    "convert it with tools/prepare_data.py")
+    p.check(bool(d.train_files), "data.train_files", d.train_files, "no training prompt files",
+            "set data.train_files=[path.parquet] (tools/prepare_data.py writes them)")
+
+    rw = cfg.reward
+    p.check(rw.timeout_s > 0, "reward.timeout_s", rw.timeout_s, "must be > 0 seconds", "use e.g. 10")
+    p.check(rw.num_workers >= 1, "reward.num_workers", rw.num_workers, "must be >= 1", "use e.g. 2")
+
+    t = cfg.trainer
+    p.check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "must be >= 1", "use e.g. 100")
+    p.check(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = only at the end)", "use e.g. 50")
+    p.check(t.keep_last >= 1, "trainer.keep_last", t.keep_last, "must be >= 1", "use e.g. 2")
+    p.check(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1", "use 1")
+    p.check(t.seed >= 0, "trainer.seed", t.seed, "must be >= 0", "use e.g. 1234")
+    p.check(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must not be empty", "use e.g. runs/my_run")
+    p.check(bool(t.resume), "trainer.resume", t.resume, "must not be empty", "use auto, none or a checkpoint path")
+
+    c = cfg.cluster
+    p.check(c.nodes >= 1, "cluster.nodes", c.nodes, "must be >= 1", "use 1")
+    p.check(c.gpus_per_node >= 0, "cluster.gpus_per_node", c.gpus_per_node, "must be >= 0 (0 = CPU ranks)",
+            "use 8 on a GPU node or 0 on CPU")
+    if c.gpus_per_node == 0:
+        p.check(c.cpu_ranks_per_node >= 1, "cluster.cpu_ranks_per_node", c.cpu_ranks_per_node,
+                "must be >= 1 on a CPU cluster", "use e.g. 2")
+
+
+def _registry_checks(cfg: RunConfig, p: _Problems) -> None:
+    from megarl.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES, list_advantages, list_policy_losses
+
+    def one_of(key: str, value: str, valid: list[str] | tuple[str, ...], what: str) -> bool:
+        import difflib
+
+        if value in valid:
+            return True
+        close = difflib.get_close_matches(value, list(valid), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        p.add(key, value, f"unknown {what}", f"{hint}valid: {', '.join(valid)}")
+        return False
+
+    one_of("algorithm.advantage", cfg.algorithm.advantage, list_advantages(), "advantage estimator")
+    one_of("actor.policy_loss", cfg.actor.policy_loss, list_policy_losses(), "policy loss")
+    one_of("actor.loss_agg_mode", cfg.actor.loss_agg_mode, LOSS_AGG_MODES, "loss aggregation mode")
+    if cfg.critic.enabled:
+        one_of("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES, "loss aggregation mode")
+    one_of("actor.kl_loss.estimator", cfg.actor.kl_loss.estimator, KL_ESTIMATORS, "KL estimator")
+    one_of("algorithm.kl_penalty.estimator", cfg.algorithm.kl_penalty.estimator, KL_ESTIMATORS, "KL estimator")
+
+    from megarl.rewards import BACKENDS, load_reward_function, registered_rewards
+
+    one_of("reward.backend", cfg.reward.backend, BACKENDS, "reward backend")
+    specs = {f"reward.functions.{source}": spec for source, spec in cfg.reward.functions.items()}
+    if cfg.reward.default is not None:
+        specs["reward.default"] = cfg.reward.default
+    for key, spec in specs.items():
+        if spec in registered_rewards():
+            continue
+        if ":" not in spec:
+            one_of(key, spec, registered_rewards(), "reward function (or write 'package.module:function')")
+            continue
+        try:
+            load_reward_function(spec)
+        except ValueError as exc:
+            p.add(key, spec, show(str(exc), limit=240).strip('"'), "fix the module path or the function name")
+
+
+def _check_layout(cfg: RunConfig, p: _Problems, role: str, layout: LayoutConfig, world: int, pool: str,
+                  hf_config: dict | None) -> bool:
+    from parallel.layout import LayoutError
+
+    try:
+        layout.to_megatron().validate(world, hf_config)
+    except LayoutError as exc:
+        msg = str(exc)
+        key = f"{role}.layout" if getattr(cfg, role).layout is not None else "actor.layout"
+        if msg.startswith("layout."):
+            p.line(f"{key}.{msg[len('layout.'):]}" + (f" (the {role}'s layout)" if role != "actor" else ""))
+        elif msg.startswith("world_size="):
+            p.line(f"{key}: {msg} [world_size = the {pool!r} pool of the {role}: "
+                   f"{_pool_origin(cfg, pool)}]")
+        else:
+            p.line(f"{key}: {msg}" + (f" (the {role}'s layout)" if role != "actor" else ""))
+        return False
+    return True
+
+
+def _pool_origin(cfg: RunConfig, pool: str) -> str:
+    c = cfg.cluster
+    if c.pools:
+        return f"cluster.pools.{pool}={c.pools[pool]}"
+    per = f"cluster.gpus_per_node={c.gpus_per_node}" if c.gpus_per_node else f"cluster.cpu_ranks_per_node={c.cpu_ranks_per_node}"
+    return f"cluster.nodes={c.nodes} x {per}; change these or the layout"
+
+
+def _micro_batch_checks(cfg: RunConfig, p: _Problems, role: str, layout: LayoutConfig, world: int) -> None:
+    """Samples per optimizer step split evenly over DP ranks and micro-batches; VPP needs the
+    micro-batch count to be a multiple of PP (megatron's interleaved 1F1B schedule)."""
+    section = getattr(cfg, role)
+    dp = world // (layout.tp * layout.pp * layout.cp)
+    n = cfg.rollout.n
+    mini = getattr(section, "mini_batch_size", None)
+    prompts = cfg.data.batch_size if mini is None else mini
+    prompts_key = "data.batch_size" if mini is None else f"{role}.mini_batch_size"
+    what = "optimizer step" if role != "ref" else "forward pass over the step's batch"
+    samples = prompts * n
+    vpp_key = f"{role}.layout.vpp" if section.layout is not None else "actor.layout.vpp"
+    if getattr(section, "max_tokens_per_micro_batch", None) is not None:
+        if layout.vpp is not None:
+            p.add(vpp_key, layout.vpp,
+                  f"with {role}.max_tokens_per_micro_batch the micro-batch count is decided per step from the data, "
+                  f"but megatron's interleaved schedule needs it to be a multiple of pp={layout.pp}",
+                  f"use {role}.micro_batch_size (set {role}.max_tokens_per_micro_batch=null) or vpp=null")
+        elif samples < dp:
+            p.add(prompts_key, prompts, f"{prompts} prompts x rollout.n={n} = {samples} samples per {what} cannot "
+                  f"give each of the {role}'s {dp} data-parallel ranks a sample", f"use at least {-(-dp // n)} prompts")
+        return
+    if samples % dp:
+        p.add(prompts_key, prompts,
+              f"{prompts} prompts x rollout.n={n} = {samples} samples per {what} do not split evenly over the "
+              f"{role}'s data-parallel size {dp} (world {world} / tp*pp*cp {layout.tp * layout.pp * layout.cp})",
+              f"make {prompts_key} x rollout.n a multiple of {dp}")
+        return
+    per_rank = samples // dp
+    mbs = section.micro_batch_size
+    if per_rank % mbs:
+        p.add(f"{role}.micro_batch_size", mbs,
+              f"does not divide the {per_rank} samples each data-parallel rank gets per {what} "
+              f"({samples} samples / dp {dp})", f"pick one of {_divisors(per_rank)}")
+        return
+    micro_batches = per_rank // mbs
+    if layout.vpp is not None and micro_batches % layout.pp:
+        good = [d for d in _divisors(per_rank) if (per_rank // d) % layout.pp == 0]
+        fix = (f"set {role}.micro_batch_size to one of {good}" if good else
+               f"make the samples per rank ({per_rank}) a multiple of pp={layout.pp} via {prompts_key} or rollout.n")
+        p.add(vpp_key, layout.vpp,
+              f"megatron's interleaved schedule needs the number of micro-batches per {what} to be a multiple of "
+              f"pp={layout.pp}, but it is {micro_batches} ({per_rank} samples per rank / {role}.micro_batch_size {mbs})",
+              f"{fix}, or set vpp=null")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
+
+
+def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, critic_hf: dict | None) -> None:
+    c = cfg.cluster
+    if c.nodes < 1 or c.ranks_per_node < 1:
+        return  # reported by the range checks
+    sizes = c.pool_sizes()
+    ok_pools = True
+    for name, size in c.pools.items():
+        if not p.check(size >= 1, f"cluster.pools.{name}", size, "a pool needs >= 1 rank", "remove it or give it ranks"):
+            ok_pools = False
+        elif size > c.ranks_per_node and size % c.ranks_per_node:
+            p.add(f"cluster.pools.{name}", size, f"a pool larger than one node must span whole nodes "
+                  f"({c.ranks_per_node} ranks each)", f"use a multiple of {c.ranks_per_node}")
+            ok_pools = False
+    if c.pools and sum(c.pools.values()) > c.world_size:
+        p.add("cluster.pools", c.pools, f"the pools hold {sum(c.pools.values())} ranks but the cluster has "
+              f"{c.world_size} ({c.nodes} nodes x {c.ranks_per_node})", "shrink the pools or add nodes")
+        ok_pools = False
+
+    roles = {"actor": ("actor.pool", cfg.actor.pool)}
+    for role in ("critic", "ref"):
+        section = getattr(cfg, role)
+        if section.enabled and section.pool is not None:
+            roles[role] = (f"{role}.pool", section.pool)
+    r = cfg.rollout
+    if r.placement == "separate":
+        others = [name for name in sizes if name != cfg.actor.pool]
+        if r.pool is None:
+            fix = (f"set rollout.pool to one of {others}" if others else
+                   "declare pools, e.g. cluster.pools={train: 2, rollout: 2} with actor.pool=train rollout.pool=rollout")
+            p.add("rollout.pool", None, "rollout.placement=separate needs a pool of its own", fix)
+        elif r.pool == cfg.actor.pool:
+            p.add("rollout.pool", r.pool, "is the actor's pool, but rollout.placement=separate",
+                  "use another pool, or set rollout.placement=colocated")
+        else:
+            roles["rollout"] = ("rollout.pool", r.pool)
+    elif r.pool is not None and r.pool != cfg.actor.pool:
+        p.add("rollout.pool", r.pool, f"a colocated rollout runs on the actor's pool ({cfg.actor.pool!r})",
+              "set rollout.placement=separate, or rollout.pool=null")
+    bad_pool = set()
+    for role, (key, name) in roles.items():
+        if name not in sizes:
+            bad_pool.add(role)
+            hint = ("declare it in cluster.pools" if c.pools else
+                    f"without cluster.pools the only pool is {next(iter(sizes))!r}")
+            p.add(key, name, f"is not a resource pool (pools: {', '.join(sizes)})", hint)
+    if not ok_pools:
+        return
+
+    if "actor" not in bad_pool:
+        world = cfg.world_size_for("actor")
+        actor_ok = _check_layout(cfg, p, "actor", cfg.actor.layout, world, cfg.pool_for("actor"), hf_config)
+        if actor_ok:
+            before = len(p.lines)
+            _micro_batch_checks(cfg, p, "actor", cfg.actor.layout, world)
+            # A role on the actor's pool and layout would repeat the actor's batch-split problem.
+            actor_ok = len(p.lines) == before
+    else:
+        actor_ok = False
+    for role, model_cfg in (("critic", critic_hf), ("ref", hf_config)):
+        section = getattr(cfg, role)
+        if not section.enabled or role in bad_pool or "actor" in bad_pool and section.pool is None:
+            continue
+        own = section.layout is not None or section.pool is not None or (role == "critic" and cfg.critic.model_path)
+        layout = cfg.layout_for(role)
+        world = cfg.world_size_for(role)
+        if own:
+            if not _check_layout(cfg, p, role, layout, world, cfg.pool_for(role), model_cfg):
+                continue
+        elif not actor_ok:
+            continue
+        _micro_batch_checks(cfg, p, role, layout, world)
+
+    if "rollout" not in bad_pool and r.tp >= 1:
+        world = cfg.world_size_for("rollout") if r.placement == "separate" else (
+            cfg.world_size_for("actor") if "actor" not in bad_pool else None)
+        if world is not None and world % r.tp:
+            p.add("rollout.tp", r.tp, f"the rollout pool {cfg.pool_for('rollout')!r} has {world} ranks, not a "
+                  "multiple of the engines' tensor-parallel size", f"pick one of {_divisors(world)}")
+        if hf_config is not None:
+            heads = hf_config["num_attention_heads"]
+            kv = hf_config.get("num_key_value_heads") or heads
+            if heads % r.tp or (kv % r.tp and r.tp % kv):
+                good = [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+                p.add("rollout.tp", r.tp, f"SGLang needs num_attention_heads={heads} divisible by tp and "
+                      f"num_key_value_heads={kv} divisible by tp or tp by it (KV heads are split or replicated)",
+                      f"pick one of {good}")
+
+
+def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None) -> None:
+    adv = cfg.algorithm.advantage
+    if adv in CRITIC_ESTIMATORS and not cfg.critic.enabled:
+        p.add("critic.enabled", False, f"algorithm.advantage={adv!r} needs a value model",
+              "set critic.enabled=true, or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
+    if adv in GROUP_ESTIMATORS and cfg.rollout.n == 1:  # n < 1 is a range problem
+        p.add("rollout.n", cfg.rollout.n, f"algorithm.advantage={adv!r} compares the samples of one prompt, and a "
+              "group of 1 has no baseline (every advantage is 0)", "use rollout.n >= 2 (e.g. 8)")
+    if cfg.algorithm.dynamic_sampling.enabled and cfg.rollout.n == 1:
+        p.add("rollout.n", cfg.rollout.n, "algorithm.dynamic_sampling drops groups whose samples all score the same, "
+              "so groups of 1 are always dropped", "use rollout.n >= 2, or disable dynamic sampling")
+    needs_ref = [k for k, on in (("actor.kl_loss.enabled", cfg.actor.kl_loss.enabled),
+                                 ("algorithm.kl_penalty.enabled", cfg.algorithm.kl_penalty.enabled)) if on]
+    if needs_ref and not cfg.ref.enabled:
+        p.add("ref.enabled", False, f"{' and '.join(needs_ref)} need the reference policy",
+              "set ref.enabled=true, or turn the KL term off")
+    if hf_config is not None:
+        positions = hf_config.get("max_position_embeddings")
+        total = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+        if positions and total > positions:
+            p.add("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
+                  f"data.max_prompt_length={cfg.data.max_prompt_length} + max_new_tokens = {total} exceeds the "
+                  f"model's max_position_embeddings={positions}",
+                  f"make the two sum to at most {positions}")
+        vocab = hf_config.get("vocab_size")
+        for i, tok in enumerate(cfg.rollout.stop_token_ids):
+            if vocab and not 0 <= tok < vocab:
+                p.add(f"rollout.stop_token_ids[{i}]", tok, f"is not a token id of the model (vocab_size={vocab})",
+                      f"use an id in [0, {vocab})")
+
+
+def _file_checks(cfg: RunConfig, p: _Problems) -> None:
+    for k in ("train_files", "val_files"):
+        for i, f in enumerate(getattr(cfg.data, k)):
+            path = Path(f).expanduser()
+            if not path.is_file():
+                where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+                p.add(f"data.{k}[{i}]", f, f"the file does not exist{where}",
+                      "fix the path, or write it with tools/prepare_data.py")
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "none") and not Path(resume).expanduser().exists():
+        p.add("trainer.resume", resume, "is neither auto, none nor an existing checkpoint path",
+              "use auto (latest checkpoint in trainer.output_dir), none, or an existing path")
+
+
+def validate_config(cfg: RunConfig, *, check_files: bool = True) -> None:
+    """Raise ConfigError (every problem, one line each) if the run cannot work as configured."""
+    p = _Problems()
+    for i, module in enumerate(cfg.imports):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
+            p.add(f"imports[{i}]", module, f"cannot be imported ({type(exc).__name__}: {exc})",
+                  "check the module name and that it is installed or on PYTHONPATH")
+
+    hf_config = None
+    try:
+        hf_config = model_hf_config(cfg.model.path)
+    except ValueError as exc:
+        p.line(f"model.path={show(cfg.model.path)}: {exc}")
+    if hf_config is not None:
+        from model_specs import UnsupportedModelError, family_for
+
+        try:
+            family_for(hf_config)
+        except UnsupportedModelError as exc:
+            p.add("model.path", cfg.model.path, str(exc), "use a model of a supported family")
+            hf_config = None
+    critic_hf = hf_config
+    if cfg.critic.enabled and cfg.critic.model_path:
+        try:
+            critic_hf = model_hf_config(cfg.critic.model_path)
+        except ValueError as exc:
+            p.line(f"critic.model_path={show(cfg.critic.model_path)}: {exc}")
+            critic_hf = None
+
+    _range_checks(cfg, p)
+    _registry_checks(cfg, p)
+    # Sizes are only worth cross-checking once each of them is sane on its own.
+    if not any(line.startswith(_SIZE_KEYS) for line in p.lines):
+        _resource_checks(cfg, p, hf_config, critic_hf)
+    _cross_checks(cfg, p, hf_config)
+    if check_files:
+        _file_checks(cfg, p)
+    if p.lines:
+        raise ConfigError(p.lines)
