@@ -2,9 +2,11 @@
 
 from model_specs.base import ModelFamily, UnsupportedModelError, padded_vocab_size
 from model_specs.llama import LLAMA
+from model_specs.mistral import MISTRAL
 from model_specs.qwen2 import QWEN2
+from model_specs.qwen3 import QWEN3
 
-FAMILIES = {family.hf_model_type: family for family in (LLAMA, QWEN2)}
+FAMILIES = {family.hf_model_type: family for family in (LLAMA, QWEN2, QWEN3, MISTRAL)}
 
 
 def family_for(hf_config: dict) -> ModelFamily:
@@ -18,5 +20,5 @@ def family_for(hf_config: dict) -> ModelFamily:
     return FAMILIES[model_type]
 
 
-__all__ = ["FAMILIES", "LLAMA", "QWEN2", "ModelFamily", "UnsupportedModelError", "family_for",
+__all__ = ["FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "ModelFamily", "UnsupportedModelError", "family_for",
            "padded_vocab_size"]

@@ -29,10 +29,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_key_value_heads=1),
     # Qwen2 untied with an odd vocab.
     "tiny-qwen2-untied": dict(_TINY, model_type="qwen2", vocab_size=250, tie_word_embeddings=False),
+    # Qwen3: per-head q/k RMSNorm, untied, odd vocab.
+    "tiny-qwen3": dict(_TINY, model_type="qwen3", vocab_size=300, tie_word_embeddings=False),
+    # Mistral (no sliding window), tied.
+    "tiny-mistral": dict(_TINY, model_type="mistral", vocab_size=256, tie_word_embeddings=True, sliding_window=None),
     # ~20M-parameter Qwen2 shape (the RL benchmark size in ../shared/notes/rl_on_cpu.md).
     "small-qwen2-20m": dict(_TINY, model_type="qwen2", vocab_size=4096, tie_word_embeddings=True,
                             hidden_size=512, intermediate_size=1664, num_hidden_layers=6,
                             num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    # ~125M-parameter Llama shape (GPT-2-small-like; 0.5 GB in fp32): the conversion benchmark
+    # (tools/bench_convert.py). 12 layers: PP=2 x VPP=2 splits evenly; 4 KV heads: TP up to 4.
+    "bench-llama-100m": dict(_TINY, model_type="llama", vocab_size=32000, tie_word_embeddings=False,
+                             hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                             num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+                             max_position_embeddings=2048),
     # Real shapes, for planning, memory estimates and dry runs (never instantiated on CPU).
     "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

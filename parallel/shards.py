@@ -151,7 +151,7 @@ def hf_tensor_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     }
     shapes = {}
     for name in family_for(hf).hf_tensor_names(hf):
-        suffix = next(s for s in by_suffix if name.endswith(s))
+        suffix = max((s for s in by_suffix if name.endswith(s)), key=len)  # q_norm before norm
         shapes[name] = by_suffix[suffix]
     return shapes
 

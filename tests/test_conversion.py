@@ -32,6 +32,8 @@ MODELS = {
     "tiny-qwen2-tied-kv2": {"num_key_value_heads": 2},
     "tiny-qwen2-untied": {},
     "tiny-llama-mha": {"num_key_value_heads": 4},  # 4 KV heads: TP=4 is possible
+    "tiny-qwen3": {},
+    "tiny-mistral": {},
 }
 
 

@@ -13,6 +13,7 @@ def test_tiny_presets_map_to_megatron(preset):
     assert kwargs["num_query_groups"] == hf["num_key_value_heads"]
     assert kwargs["kv_channels"] == hf["head_dim"]
     assert kwargs["add_qkv_bias"] == (hf["model_type"] == "qwen2")
+    assert kwargs["qk_layernorm"] == (hf["model_type"] == "qwen3")
     # The HF model built from the same preset agrees on what the parameters are.
     config = make_hf_config(preset)
     assert config.num_key_value_heads == kwargs["num_query_groups"]
@@ -24,7 +25,7 @@ def test_presets_cover_the_cases_parallel_code_must_get_right():
     assert {c["tie_word_embeddings"] for c in configs} == {True, False}
     assert {c["vocab_size"] % 64 == 0 for c in configs} == {True, False}
     assert {c["num_key_value_heads"] for c in configs} >= {1, 2}
-    assert {c["model_type"] for c in configs} == {"llama", "qwen2"}
+    assert {c["model_type"] for c in configs} == {"llama", "qwen2", "qwen3", "mistral"}
 
 
 def test_vocab_padding_matches_megatron_rule():
@@ -42,6 +43,8 @@ def test_vocab_padding_matches_megatron_rule():
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "only the default"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"sliding_window_pattern": 2}, "sliding_window_pattern"),
+        ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, "sliding_window=4096"),
+        ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window=True"),
     ],
 )
 def test_unsupported_configs_name_the_field(override, message):

@@ -203,9 +203,9 @@ def test_pools(problems, data_file):
 
 
 def test_model_path_preset_or_directory(problems, tmp_path, data_file):
-    line = _one(problems("model.path=tiny-qwen"))
-    assert line.startswith('model.path="tiny-qwen": is neither a local model directory nor a model preset; '
-                           "did you mean 'tiny-qwen2'?")
+    line = _one(problems("model.path=tiny-qwen2-untie"))
+    assert line.startswith('model.path="tiny-qwen2-untie": is neither a local model directory nor a model preset; '
+                           "did you mean 'tiny-qwen2-untied'?")
     model_dir = tmp_path / "my_model"
     model_dir.mkdir()
     line = _one(problems(f"model.path={model_dir}"))
