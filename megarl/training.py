@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from parallel.context_parallel import split_for_context_parallel
 from parallel.layout import MegatronLayout
 
 
@@ -90,24 +91,6 @@ def causal_lm_loss(output_tensor: torch.Tensor, loss_mask: torch.Tensor, num_tok
     tokens = mask.sum()
     denominator = tokens if num_tokens is None else num_tokens.float()
     return total / denominator.clamp(min=1), {"lm loss": (total.detach(), tokens.detach())}
-
-
-def split_for_context_parallel(batch: dict) -> dict:
-    """This CP rank's share of a micro-batch ([mbs, seq] tensors): megatron's zig-zag split
-    (chunks r and 2*cp-1-r of 2*cp). A copy; the input dict is left alone. Identity at CP=1."""
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    cp = parallel_state.get_context_parallel_world_size()
-    if cp == 1:
-        return dict(batch)
-    seq_length = batch["tokens"].shape[1]
-    if seq_length % (2 * cp):
-        raise ValueError(
-            f"micro-batch sequence length {seq_length} is not divisible by 2*cp={2 * cp} "
-            f"(context-parallel zig-zag split); pad sequences to a multiple of {2 * cp}"
-        )
-    return get_batch_on_this_cp_rank({key: value.contiguous() for key, value in batch.items()})
 
 
 def lm_forward_step(data_iterator: Iterator[dict], model) -> tuple[torch.Tensor, Callable]:

@@ -160,3 +160,21 @@ class ContextParallelAttention(MegatronModule):
                 return context_parallel_attention(query, key, value, self.softmax_scale, self.cp_group,
                                                   dropout=dropout)
         return context_parallel_attention(query, key, value, self.softmax_scale, self.cp_group, dropout=dropout)
+
+
+def split_for_context_parallel(batch: dict) -> dict:
+    """This CP rank's share of a micro-batch ([mbs, seq] tensors): megatron's zig-zag split
+    (chunks r and 2*cp-1-r of 2*cp). A copy; the input dict is left alone. Identity at CP=1."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return dict(batch)
+    seq_length = batch["tokens"].shape[1]
+    if seq_length % (2 * cp):
+        raise ValueError(
+            f"micro-batch sequence length {seq_length} is not divisible by 2*cp={2 * cp} "
+            f"(context-parallel zig-zag split); pad sequences to a multiple of {2 * cp}"
+        )
+    return get_batch_on_this_cp_rank({key: value.contiguous() for key, value in batch.items()})

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from parallel.context_parallel import split_for_context_parallel
 from parallel.hf_io import CheckpointError, HFCheckpoint
 from parallel.layout import MegatronLayout
 from parallel.shards import LocalTensor, MegatronRank, hf_tensor_shapes, megatron_shards
@@ -127,9 +128,27 @@ def hf_config_for_export(hf: Mapping[str, Any], dtype: torch.dtype) -> dict:
     return config
 
 
+def _undo_context_parallel_split(local: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[b, s/cp, ...] per-rank values -> [b, s, ...] in global token order (identity at CP=1)."""
+    from megatron.core import parallel_state
+
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return local
+    group = parallel_state.get_context_parallel_group()
+    values = [torch.empty_like(local) for _ in range(cp)]
+    where = [torch.empty_like(positions) for _ in range(cp)]
+    dist.all_gather(values, local.contiguous(), group=group)
+    dist.all_gather(where, positions.contiguous(), group=group)
+    values, where = torch.cat(values, dim=1), torch.cat(where, dim=1)
+    full = torch.empty_like(values)
+    full.scatter_(1, where.unsqueeze(-1).expand_as(values), values)
+    return full
+
+
 def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
     """Full-vocab (padded) logits [batch, seq, vocab] of ``tokens`` through megatron's forward-only
-    schedule at any TP/PP/VPP layout; returned on the last pipeline stage, None elsewhere."""
+    schedule at any TP/PP/VPP/CP layout; returned on the last pipeline stage, None elsewhere."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -138,10 +157,12 @@ def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
-        output = model(batch, positions, attention_mask=None)
+        local = split_for_context_parallel({"tokens": batch, "position_ids": positions})
+        output = model(local["tokens"], local["position_ids"], attention_mask=None)
 
         def keep(output_tensor):
-            collected.append(tensor_parallel.gather_from_tensor_model_parallel_region(output_tensor))
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(output_tensor)
+            collected.append(_undo_context_parallel_split(logits, local["position_ids"]))
             return output_tensor.sum() * 0.0, {}
 
         return output, keep

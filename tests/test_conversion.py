@@ -22,6 +22,8 @@ LAYOUTS = {
     "tp2_pp2": ({"tp": 2, "pp": 2}, 4),
     "pp2_vpp2": ({"pp": 2, "vpp": 2}, 2),
     "tp4": ({"tp": 4}, 4),
+    "cp2": ({"cp": 2}, 2),
+    "cp2_tp2": ({"cp": 2, "tp": 2}, 4),
 }
 # Each family, tied and untied, vocab with and without padding, 1/2/4 KV heads. A model takes
 # the layouts whose TP divides its KV heads (megatron's rule).
