@@ -93,6 +93,29 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    """Compare two checkpoints (HF or megarl Megatron, any saved layout) tensor by tensor."""
+    from parallel.hf_io import CheckpointError
+    from parallel.layout import MegatronLayout
+    from parallel.spawn import RankFailedError, run_on_ranks
+    from parallel.verify import verify_on_rank
+
+    layout = MegatronLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    try:
+        report = run_on_ranks(verify_on_rank, layout.tp * layout.pp, args.a, args.b, layout, timeout_s=args.timeout)[0]
+    except RankFailedError as error:
+        reason = str(error).strip().splitlines()[-1]
+        print(f"megarl verify: {reason}", file=sys.stderr)
+        return 2
+    print(f"megarl verify: {report['tensors']} tensors compared; max logit difference {report['max_logit_diff']:.3g}")
+    for name, diff in report["different_tensors"].items():
+        print(f"  differs: {name} (max abs diff {diff:.3g})")
+    for where in report["checksum_mismatches"]:
+        print(f"  recorded checksum does not match the data: {where}")
+    print("megarl verify: identical" if report["identical"] else "megarl verify: DIFFERENT")
+    return 0 if report["identical"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--no-verify", action="store_true", help="skip read-back and logit probe")
     convert.add_argument("--timeout", type=float, default=3600.0)
     convert.set_defaults(func=_convert)
+
+    verify = sub.add_parser("verify", help=_verify.__doc__, description=_verify.__doc__ + (
+        " Exit status: 0 identical, 1 different, 2 unusable input."))
+    verify.add_argument("a", help="checkpoint directory (HF or megarl Megatron)")
+    verify.add_argument("b", help="checkpoint directory (HF or megarl Megatron)")
+    verify.add_argument("--tp", type=int, default=1, help="layout Megatron checkpoints are loaded at")
+    verify.add_argument("--pp", type=int, default=1)
+    verify.add_argument("--vpp", type=int, default=None)
+    verify.add_argument("--timeout", type=float, default=3600.0)
+    verify.set_defaults(func=_verify)
     return parser
 
 

@@ -46,12 +46,19 @@ def _variant(hf_dir, tmp_path, edit_config=None, edit_tensors=None, truncate=Fal
     return target
 
 
-def test_hf_to_megatron_to_hf_via_the_cli_is_bit_exact(hf_dir, tmp_path):
-    ckpt, back = tmp_path / "mg", tmp_path / "hf-back"
-    first = convert("hf-to-megatron", "--input", str(hf_dir), "--output", str(ckpt), "--tp", "2")
-    assert first.returncode == 0, first.stdout + first.stderr
-    assert "read back bit-exact" in first.stdout and "logit probe passed" in first.stdout
-    assert "peak RSS" in first.stdout
+@pytest.fixture(scope="module")
+def megatron_ckpt(hf_dir, tmp_path_factory):
+    """The HF checkpoint converted by the CLI at TP=2, and the CLI's output."""
+    ckpt = tmp_path_factory.mktemp("converted") / "mg"
+    result = convert("hf-to-megatron", "--input", str(hf_dir), "--output", str(ckpt), "--tp", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return ckpt, result.stdout
+
+
+def test_hf_to_megatron_to_hf_via_the_cli_is_bit_exact(hf_dir, megatron_ckpt, tmp_path):
+    ckpt, output = megatron_ckpt
+    assert "read back bit-exact" in output and "logit probe passed" in output and "peak RSS" in output
+    back = tmp_path / "hf-back"
     second = convert("megatron-to-hf", "--input", str(ckpt), "--output", str(back), "--pp", "2")
     assert second.returncode == 0, second.stdout + second.stderr
     original, exported = load_file(f"{hf_dir}/model.safetensors"), load_file(str(back / "model.safetensors"))
@@ -59,7 +66,25 @@ def test_hf_to_megatron_to_hf_via_the_cli_is_bit_exact(hf_dir, tmp_path):
     assert all(torch.equal(original[k], exported[k]) for k in original)
     recorded = json.loads((ckpt / "megarl_checkpoint.json").read_text())["checksums"]
     assert recorded == json.loads((back / "megarl_checksums.json").read_text())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-back", "mg"]  # no partial directories
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-back"]  # no partial directories
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["mg"]
+
+
+def _verify(*args):
+    return subprocess.run([sys.executable, "-m", "megarl.cli", "verify", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_verify_finds_identical_and_different_checkpoints(hf_dir, megatron_ckpt, tmp_path):
+    ckpt, _ = megatron_ckpt
+    same = _verify(str(hf_dir), str(ckpt), "--pp", "2")
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "tensors compared" in same.stdout and "identical" in same.stdout
+    changed = _variant(hf_dir, tmp_path, edit_tensors=lambda t: t["model.layers.2.mlp.down_proj.weight"][3, 5].add_(1e-3))
+    different = _verify(str(ckpt), str(changed))
+    assert different.returncode == 1, different.stdout + different.stderr
+    assert "differs: model.layers.2.mlp.down_proj.weight (max abs diff 0.001)" in different.stdout
+    assert different.stdout.count("differs:") == 1
 
 
 BAD_INPUTS = {
@@ -96,9 +121,11 @@ def test_existing_output_is_refused(hf_dir, tmp_path):
     assert result.returncode == 2 and "already exists" in result.stderr
 
 
-def test_corrupted_megatron_checkpoint_fails_export_without_output(hf_dir, tmp_path):
+def test_corrupted_megatron_checkpoint_fails_export_without_output(hf_dir, megatron_ckpt, tmp_path):
+    import shutil
+
     ckpt = tmp_path / "mg"
-    assert convert("hf-to-megatron", "--input", str(hf_dir), "--output", str(ckpt), "--no-verify").returncode == 0
+    shutil.copytree(megatron_ckpt[0], ckpt)
     meta_file = ckpt / "megarl_checkpoint.json"
     meta = json.loads(meta_file.read_text())
     meta["checksums"]["model.layers.0.self_attn.q_proj.bias"] = "0" * 64  # as if the stored bytes changed
@@ -120,3 +147,19 @@ def test_failed_write_leaves_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="already exists"):
         with atomic_directory(tmp_path):
             pass
+
+
+def test_conversion_under_torchrun_writes_the_same_checkpoint(hf_dir, megatron_ckpt, tmp_path):
+    from parallel.spawn import free_port
+
+    ckpt = tmp_path / "mg-torchrun"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "megarl.cli", "convert", "hf-to-megatron", "--input", str(hf_dir), "--output", str(ckpt), "--tp", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("megarl convert: done") == 1  # reported once, by rank 0
+    ours = json.loads((ckpt / "megarl_checkpoint.json").read_text())["checksums"]
+    local = json.loads((megatron_ckpt[0] / "megarl_checkpoint.json").read_text())["checksums"]
+    assert ours == local
