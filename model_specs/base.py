@@ -58,6 +58,7 @@ class WeightRule:
     megatron: str
     hf: tuple[str, ...]
     kind: str
+    sglang: str | None = None  # SGLang's name for the same parameter (None: SGLang has none)
 
     def __post_init__(self):
         if self.kind not in WEIGHT_KINDS:
@@ -72,27 +73,37 @@ def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool) -> li
     """Megatron local-spec GPT parameters <-> HF Llama-style names (Llama, Qwen2, Qwen3, Mistral)."""
     layer, attn, mlp = "decoder.layers.{layer}", "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
     rules = [
-        WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-        WeightRule(f"{layer}.input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",), "replicated"),
+        WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab",
+                   "model.embed_tokens.weight"),
+        WeightRule(f"{layer}.input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",), "replicated",
+                   "model.layers.{layer}.input_layernorm.weight"),
         WeightRule(f"{layer}.self_attention.linear_qkv.weight",
-                   (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), "qkv"),
-        WeightRule(f"{layer}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), "row"),
+                   (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), "qkv",
+                   f"{attn}.qkv_proj.weight"),
+        WeightRule(f"{layer}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), "row",
+                   f"{attn}.o_proj.weight"),
         WeightRule(f"{layer}.pre_mlp_layernorm.weight",
-                   ("model.layers.{layer}.post_attention_layernorm.weight",), "replicated"),
-        WeightRule(f"{layer}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), "gate_up"),
-        WeightRule(f"{layer}.mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), "row"),
-        WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+                   ("model.layers.{layer}.post_attention_layernorm.weight",), "replicated",
+                   "model.layers.{layer}.post_attention_layernorm.weight"),
+        WeightRule(f"{layer}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), "gate_up",
+                   f"{mlp}.gate_up_proj.weight"),
+        WeightRule(f"{layer}.mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), "row", f"{mlp}.down_proj.weight"),
+        WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", "model.norm.weight"),
     ]
     if qkv_bias:
         rules.append(WeightRule(f"{layer}.self_attention.linear_qkv.bias",
-                                (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), "qkv"))
+                                (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), "qkv",
+                                f"{attn}.qkv_proj.bias"))
     if qk_norm:
-        rules.append(WeightRule(f"{layer}.self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), "replicated"))
-        rules.append(WeightRule(f"{layer}.self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), "replicated"))
+        rules.append(WeightRule(f"{layer}.self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), "replicated",
+                                f"{attn}.q_norm.weight"))
+        rules.append(WeightRule(f"{layer}.self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), "replicated",
+                                f"{attn}.k_norm.weight"))
     # Tied: the output layer (present as a parameter only on the last stage when PP > 1) is a
-    # copy of the embedding; untied: it is lm_head.
-    lm_head = "model.embed_tokens.weight" if hf.get("tie_word_embeddings") else "lm_head.weight"
-    rules.append(WeightRule("output_layer.weight", (lm_head,), "vocab"))
+    # copy of the embedding, and SGLang reuses its embedding; untied: it is lm_head.
+    tied = bool(hf.get("tie_word_embeddings"))
+    lm_head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    rules.append(WeightRule("output_layer.weight", (lm_head,), "vocab", None if tied else "lm_head.weight"))
     return rules
 
 

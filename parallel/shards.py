@@ -203,3 +203,66 @@ def megatron_shards(
                 chunks.append(tensors)
             result[MegatronRank(pp_rank, tp_rank)] = chunks
     return result
+
+
+def sglang_vocab_rows(vocab_size: int, tp: int) -> int:
+    """SGLang's padded vocab: a multiple of 64, or of 64*tp when 64-padding does not split evenly."""
+    padded = padded_vocab_size(vocab_size, 64, 1)
+    return padded if padded % tp == 0 else padded_vocab_size(vocab_size, 64, tp)
+
+
+def _sglang_qkv_pieces(hf_names, hf_shapes, tp_rank: int, tp: int, head_dim: int) -> tuple[tuple[int, ...], list[Piece]]:
+    """SGLang's per-rank qkv_proj: [q heads of the rank; its K heads; its V heads]. With more TP
+    ranks than KV heads each rank holds one KV head, head ``rank // (tp / kv_heads)`` (replicated)."""
+    q_shape, k_shape, _ = hf_shapes
+    heads, kv_heads = q_shape[0] // head_dim, k_shape[0] // head_dim
+    q_rows = heads // tp * head_dim
+    if kv_heads >= tp:
+        kv_first, kv_count = tp_rank * (kv_heads // tp), kv_heads // tp
+    else:
+        kv_first, kv_count = tp_rank // (tp // kv_heads), 1
+    pieces, dst = [], 0
+    for name, shape, start, rows in (
+        (hf_names[0], q_shape, tp_rank * q_rows, q_rows),
+        (hf_names[1], k_shape, kv_first * head_dim, kv_count * head_dim),
+        (hf_names[2], hf_shapes[2], kv_first * head_dim, kv_count * head_dim),
+    ):
+        pieces.append(Piece(_rows(full_box(shape), dst, dst + rows), name, _rows(full_box(shape), start, start + rows)))
+        dst += rows
+    return (dst, *q_shape[1:]), pieces
+
+
+def validate_sglang_tp(hf: Mapping[str, Any], tp: int) -> None:
+    """SGLang's own asserts: heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)."""
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    if tp < 1 or heads % tp or (kv % tp and tp % kv):
+        raise ValueError(
+            f"rollout tp={tp} does not fit num_attention_heads={heads}, num_key_value_heads={kv}: SGLang needs "
+            f"heads % tp == 0 and (kv % tp == 0 or tp % kv == 0); pick tp from "
+            f"{[t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]}"
+        )
+
+
+def sglang_shards(hf: Mapping[str, Any], tp: int) -> dict[int, dict[str, LocalTensor]]:
+    """For every SGLang TP rank, its parameters (SGLang names) as pieces of HF tensors."""
+    validate_sglang_tp(hf, tp)
+    shapes = hf_tensor_shapes(hf)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    padded = sglang_vocab_rows(hf["vocab_size"], tp)
+    result: dict[int, dict[str, LocalTensor]] = {}
+    for rank in range(tp):
+        tensors = {}
+        for rule in family_for(hf).weight_rules(hf):
+            if rule.sglang is None:
+                continue
+            for layer in range(hf["num_hidden_layers"]) if rule.per_layer else [None]:
+                names = [n.format(layer=layer) for n in rule.hf]
+                name = rule.sglang.format(layer=layer)
+                if rule.kind == "qkv":
+                    shape, pieces = _sglang_qkv_pieces(names, [shapes[n] for n in names], rank, tp, head_dim)
+                else:
+                    shape, pieces = rule_pieces(rule.kind, names, [shapes[n] for n in names], rank, tp, padded)
+                tensors[name] = LocalTensor(name, shape, tuple(pieces))
+        result[rank] = tensors
+    return result

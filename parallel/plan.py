@@ -1,0 +1,178 @@
+"""Resharding plans: which slice of which source rank's tensor goes into which destination buffer.
+
+Both layouts are described as boxes of the canonical HF tensors (``parallel.shards``), so a plan
+is box intersection: for every destination piece, the source pieces that hold the same HF
+region. Replicas (TP-replicated norms, data-parallel copies) hold identical boxes; the planner
+takes each region once, from a holder on the destination's own device when there is one (no
+network), else from the least-loaded holder. ``Plan.check()`` proves, before anything moves,
+that every destination element is written exactly once with matching extents, and the plan
+reports the bytes it sends over the network next to the theoretical minimum (bytes a
+destination needs that its co-located source rank does not hold).
+
+Devices: the trainer's global rank g runs on device g; SGLang rank r of engine e runs on device
+``e * rollout_tp + r`` (colocated hybrid engine). Separate pools offset the rollout devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Mapping
+
+import torch
+
+from parallel.layout import MegatronLayout
+from parallel.shards import Box, LocalTensor, box_volume, megatron_shards, MegatronRank, sglang_shards
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """Copy ``src_box`` of source tensor ``src_key`` on device ``src`` into ``dst_box`` of
+    destination tensor ``dst_key`` on device ``dst``."""
+
+    src: int
+    src_key: tuple[int, str]  # (model chunk, megatron parameter name)
+    src_box: Box
+    dst: int
+    dst_key: str
+    dst_box: Box
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroFill:
+    dst: int
+    dst_key: str
+    dst_box: Box
+
+
+@dataclasses.dataclass
+class Plan:
+    """A checked list of copies and zero fills, with what it costs on the network."""
+
+    copies: list[Copy]
+    zero_fills: list[ZeroFill]
+    destinations: dict[int, dict[str, LocalTensor]]  # device -> its destination tensors
+    element_size: int
+    minimum_network_bytes: int
+
+    @property
+    def network_bytes(self) -> int:
+        return sum(c.nbytes for c in self.copies if c.src != c.dst)
+
+    @property
+    def local_bytes(self) -> int:
+        return sum(c.nbytes for c in self.copies if c.src == c.dst)
+
+    def check(self) -> None:
+        """Every destination element written exactly once, in bounds, extents equal."""
+        written: dict[tuple[int, str], int] = defaultdict(int)
+        for copy in self.copies:
+            if [b - a for a, b in copy.src_box] != [b - a for a, b in copy.dst_box]:
+                raise ValueError(f"copy {copy} has different source and destination extents")
+            written[(copy.dst, copy.dst_key)] += box_volume(copy.dst_box)
+        for fill in self.zero_fills:
+            written[(fill.dst, fill.dst_key)] += box_volume(fill.dst_box)
+        for device, tensors in self.destinations.items():
+            for name, tensor in tensors.items():
+                boxes = [c.dst_box for c in self.copies if c.dst == device and c.dst_key == name]
+                boxes += [f.dst_box for f in self.zero_fills if f.dst == device and f.dst_key == name]
+                if written[(device, name)] != math.prod(tensor.shape):
+                    raise ValueError(f"device {device} {name}: {written[(device, name)]} of "
+                                     f"{math.prod(tensor.shape)} elements written")
+                for i, a in enumerate(boxes):
+                    if any(not 0 <= lo < hi <= n for (lo, hi), n in zip(a, tensor.shape)):
+                        raise ValueError(f"device {device} {name}: box {a} outside {tensor.shape}")
+                    for b in boxes[i + 1:]:
+                        if _intersect(a, b) is not None:
+                            raise ValueError(f"device {device} {name}: boxes {a} and {b} both written")
+
+    def summary(self) -> str:
+        return (f"{len(self.copies)} copies, {self.local_bytes / 2**20:.1f} MiB local, "
+                f"{self.network_bytes / 2**20:.1f} MiB over the network (minimum "
+                f"{self.minimum_network_bytes / 2**20:.1f} MiB)")
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+def _translate(region: Box, piece_src: Box, piece_dst: Box) -> Box:
+    """``region`` (HF coordinates, inside ``piece_src``) in the local tensor's coordinates."""
+    return tuple((d0 + r0 - s0, d0 + r1 - s0) for (r0, r1), (s0, _), (d0, _) in zip(region, piece_src, piece_dst))
+
+
+def megatron_device_positions(layout: MegatronLayout, world_size: int) -> dict[int, MegatronRank]:
+    """Global rank -> (pp, tp) model position, for megatron's default order tp-cp-dp-pp."""
+    dp = layout.data_parallel_size(world_size)
+    positions = {}
+    for rank in range(world_size):
+        tp = rank % layout.tp
+        pp = rank // (layout.tp * layout.cp * dp)
+        positions[rank] = MegatronRank(pp=pp, tp=tp)
+    return positions
+
+
+def plan_megatron_to_sglang(
+    hf: Mapping[str, object], layout: MegatronLayout, world_size: int, rollout_tp: int,
+    rollout_device_offset: int = 0, element_size: int = 4,
+) -> Plan:
+    """Plan the weight sync from a Megatron actor (``layout`` over ``world_size`` devices) into
+    SGLang engines of ``rollout_tp`` ranks each, one engine per ``rollout_tp`` devices starting at
+    ``rollout_device_offset`` (0: colocated with the trainer, hybrid engine)."""
+    source = megatron_shards(hf, layout)
+    holders: dict[str, list] = defaultdict(list)  # hf name -> [(device, key, piece)]
+    for device, position in megatron_device_positions(layout, world_size).items():
+        for chunk_index, tensors in enumerate(source[position]):
+            for name, tensor in tensors.items():
+                for piece in tensor.pieces:
+                    if piece.hf is not None:
+                        holders[piece.hf].append((device, (chunk_index, name), piece))
+    per_rank = sglang_shards(hf, rollout_tp)
+    engines = max(1, world_size // rollout_tp) if rollout_device_offset == 0 else 1
+    destinations = {rollout_device_offset + e * rollout_tp + r: per_rank[r] for e in range(engines)
+                    for r in range(rollout_tp)}
+    copies, fills, minimum = [], [], 0
+    sent_by: dict[int, int] = defaultdict(int)
+    for device, tensors in destinations.items():
+        for name, tensor in tensors.items():
+            for piece in tensor.pieces:
+                if piece.hf is None:
+                    fills.append(ZeroFill(device, name, piece.dst))
+                    continue
+                regions: dict[Box, list] = defaultdict(list)  # identical boxes = replicas
+                for holder, key, src_piece in holders[piece.hf]:
+                    region = _intersect(piece.src, src_piece.src)
+                    if region is not None:
+                        regions[region].append((holder, key, src_piece))
+                boxes = list(regions)
+                covered = sum(box_volume(b) for b in boxes)
+                if covered != box_volume(piece.src) or any(
+                    _intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:]
+                ):
+                    raise ValueError(f"{piece.hf} {piece.src}: the source layout does not tile this region "
+                                     f"exactly once ({covered} of {box_volume(piece.src)} elements)")
+                for region, candidates in regions.items():
+                    nbytes = box_volume(region) * element_size
+                    local = [c for c in candidates if c[0] == device]
+                    if not local:
+                        minimum += nbytes
+                    holder, key, src_piece = local[0] if local else min(candidates, key=lambda c: (sent_by[c[0]], c[0]))
+                    if holder != device:
+                        sent_by[holder] += nbytes
+                    copies.append(Copy(holder, key, _translate(region, src_piece.src, src_piece.dst), device, name,
+                                       _translate(region, piece.src, piece.dst), nbytes))
+    return Plan(copies, fills, destinations, element_size, minimum)
+
+
+def execute_plan_in_memory(plan: Plan, sources: Mapping[int, Mapping[tuple[int, str], torch.Tensor]],
+                           destinations: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+    """Run a plan when every device's tensors are in this process (tests, planning tools):
+    writes the destination tensors in place."""
+    for fill in plan.zero_fills:
+        destinations[fill.dst][fill.dst_key][tuple(slice(a, b) for a, b in fill.dst_box)].zero_()
+    for copy in plan.copies:
+        src = sources[copy.src][copy.src_key][tuple(slice(a, b) for a, b in copy.src_box)]
+        destinations[copy.dst][copy.dst_key][tuple(slice(a, b) for a, b in copy.dst_box)].copy_(src)
