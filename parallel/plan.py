@@ -176,3 +176,78 @@ def execute_plan_in_memory(plan: Plan, sources: Mapping[int, Mapping[tuple[int, 
     for copy in plan.copies:
         src = sources[copy.src][copy.src_key][tuple(slice(a, b) for a, b in copy.src_box)]
         destinations[copy.dst][copy.dst_key][tuple(slice(a, b) for a, b in copy.dst_box)].copy_(src)
+
+
+def execute_plan(
+    plan: Plan,
+    device: int,
+    sources: Mapping[tuple[int, str], torch.Tensor],
+    destinations: Mapping[str, torch.Tensor],
+    bucket_bytes: int = 64 << 20,
+    group=None,
+) -> dict[str, int]:
+    """This device's part of a plan, over torch.distributed (device index = rank in ``group``).
+
+    Writes ``destinations`` (preallocated, e.g. the buffers handed to SGLang) in place from local
+    ``sources`` and from peers. Peer traffic goes pair by pair in one global (src, dst) order, so
+    every process walks the same sequence and no send waits on a receive that comes later; each
+    pair's copies travel in flat buckets of at most ``bucket_bytes`` (the only extra memory).
+    Returns bytes copied locally, sent and received.
+    """
+    import torch.distributed as dist
+
+    def region(tensor, box):
+        return tensor[tuple(slice(a, b) for a, b in box)]
+
+    stats = {"local_bytes": 0, "sent_bytes": 0, "received_bytes": 0}
+    for fill in plan.zero_fills:
+        if fill.dst == device:
+            region(destinations[fill.dst_key], fill.dst_box).zero_()
+    pairs: dict[tuple[int, int], list[Copy]] = defaultdict(list)
+    for copy in plan.copies:
+        if copy.src == device and copy.dst == device:
+            region(destinations[copy.dst_key], copy.dst_box).copy_(region(sources[copy.src_key], copy.src_box))
+            stats["local_bytes"] += copy.nbytes
+        elif device in (copy.src, copy.dst):
+            pairs[(copy.src, copy.dst)].append(copy)
+    for (src, dst), copies in sorted(pairs.items()):
+        for bucket in _buckets(copies, bucket_bytes):
+            numel = sum(c.nbytes for c in bucket) // plan.element_size
+            dtype = next(iter(destinations.values())).dtype if device == dst else sources[bucket[0].src_key].dtype
+            flat = torch.empty(numel, dtype=dtype)
+            if device == src:
+                offset = 0
+                for copy in bucket:
+                    part = region(sources[copy.src_key], copy.src_box)
+                    flat[offset: offset + part.numel()].copy_(part.reshape(-1))
+                    offset += part.numel()
+                dist.send(flat, dst=src_to_group_rank(dst, group), group=group)
+                stats["sent_bytes"] += flat.numel() * flat.element_size()
+            else:
+                dist.recv(flat, src=src_to_group_rank(src, group), group=group)
+                offset = 0
+                for copy in bucket:
+                    target = region(destinations[copy.dst_key], copy.dst_box)
+                    target.copy_(flat[offset: offset + target.numel()].view(target.shape))
+                    offset += target.numel()
+                stats["received_bytes"] += flat.numel() * flat.element_size()
+    return stats
+
+
+def src_to_group_rank(device: int, group) -> int:
+    """Global rank of ``device`` (devices are numbered by their rank in ``group``)."""
+    import torch.distributed as dist
+
+    return device if group is None else dist.get_global_rank(group, device)
+
+
+def _buckets(copies: list[Copy], bucket_bytes: int):
+    bucket, size = [], 0
+    for copy in copies:
+        if bucket and size + copy.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(copy)
+        size += copy.nbytes
+    if bucket:
+        yield bucket

@@ -171,3 +171,28 @@ def checkpoint_logits(hf_dir, ckpt_dir, layout_kwargs, tokens):
     logits = megatron_logits(chunks, tokens)
     parallel_state.destroy_model_parallel()
     return logits
+
+
+def reshard_megatron_to_sglang(hf_dir, layout_kwargs, rollout_tp, bucket_bytes):
+    """Load HF weights into real Megatron chunks at a layout, run this rank's part of the
+    Megatron -> SGLang plan over gloo, and return (this device's SGLang tensors, traffic stats)."""
+    from megatron.core import parallel_state
+
+    from parallel.convert import load_hf_into_chunks
+    from parallel.hf_io import HFCheckpoint
+    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
+    from parallel.plan import execute_plan, plan_megatron_to_sglang
+
+    layout = MegatronLayout(**layout_kwargs)
+    ckpt = HFCheckpoint(hf_dir)
+    initialize_megatron(layout)
+    chunks = build_model_chunks(ckpt.config, layout)
+    load_hf_into_chunks(chunks, ckpt, layout)
+    plan = plan_megatron_to_sglang(ckpt.config, layout, dist.get_world_size(), rollout_tp)
+    plan.check()
+    device = dist.get_rank()
+    sources = {(i, name): p.data for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+    buffers = {name: torch.full(t.shape, float("nan")) for name, t in plan.destinations.get(device, {}).items()}
+    stats = execute_plan(plan, device, sources, buffers, bucket_bytes=bucket_bytes)
+    parallel_state.destroy_model_parallel()
+    return buffers, stats, plan.network_bytes

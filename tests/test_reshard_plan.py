@@ -116,3 +116,24 @@ def test_plan_check_catches_a_double_write():
 def test_sglang_tp_that_does_not_fit_the_heads_is_refused():
     with pytest.raises(ValueError, match="pick tp from"):
         sglang_shards(hf_config_dict("tiny-llama"), 3)
+
+
+@pytest.mark.parametrize("layout_kwargs, world, rollout_tp", [({"tp": 2, "pp": 2}, 4, 2), ({"tp": 2}, 4, 4),
+                                                               ({"pp": 2, "vpp": 2}, 2, 2)])
+def test_plan_runs_over_gloo_from_real_megatron_shards(tmp_path, layout_kwargs, world, rollout_tp):
+    from model_specs.presets import save_tiny_hf_model
+    from parallel.hf_io import HFCheckpoint
+    from parallel.spawn import run_on_ranks
+    from tests import rank_fns
+
+    hf_dir = save_tiny_hf_model("tiny-qwen2-untied", tmp_path / "hf", seed=5)
+    results = run_on_ranks(rank_fns.reshard_megatron_to_sglang, world, str(hf_dir), layout_kwargs, rollout_tp,
+                           4096, timeout_s=240)
+    ckpt = HFCheckpoint(hf_dir)
+    expected = sglang_shards(ckpt.config, rollout_tp)
+    for device, (buffers, stats, network_bytes) in enumerate(results):
+        reference = materialise(expected[device % rollout_tp], {n: ckpt.read(n) for n in ckpt.names})
+        assert buffers.keys() == reference.keys()
+        for name, tensor in buffers.items():
+            assert torch.equal(tensor, reference[name]), f"device {device} {name}"
+    assert sum(r[1]["sent_bytes"] for r in results) == sum(r[1]["received_bytes"] for r in results) == results[0][2]
