@@ -43,6 +43,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                              hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                              num_attention_heads=12, num_key_value_heads=4, head_dim=64,
                              max_position_embeddings=2048),
+    # ~1.1B-parameter Llama shape (TinyLlama's): the resharding benchmark's large case.
+    "bench-llama-1b": dict(_TINY, model_type="llama", vocab_size=32000, tie_word_embeddings=False,
+                           hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                           num_attention_heads=32, num_key_value_heads=4, head_dim=64,
+                           max_position_embeddings=2048),
     # Real shapes, for planning, memory estimates and dry runs (never instantiated on CPU).
     "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

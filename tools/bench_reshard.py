@@ -1,0 +1,101 @@
+"""Benchmark Megatron -> SGLang resharding plans: plan time, bytes moved vs the minimum, and
+execution throughput against a plain tensor copy of the same bytes, measured in the same run.
+
+    python tools/bench_reshard.py [--presets bench-llama-100m bench-llama-1b] [--dtype bfloat16]
+
+Plans are made from the config alone (no tensors). Execution runs every device's copies in this
+process (``execute_plan_in_memory``) from preallocated source shards into preallocated
+destination buffers, so it measures the copy engine of the plan, not the network; the baseline is
+one ``dst.copy_(src)`` over a flat buffer of the same total bytes. A benchmark, not a test: it
+prints numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from model_specs.base import dtype_from_name
+from model_specs.presets import hf_config_dict
+from parallel.layout import MegatronLayout
+from parallel.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
+from parallel.shards import megatron_shards
+
+CASES = [  # (name, layout, world size, rollout TP)
+    ("TP2 -> TP2 (colocated, equal TP)", MegatronLayout(tp=2), 2, 2),
+    ("TP2 -> TP1", MegatronLayout(tp=2), 2, 1),
+    ("TP1 -> TP2", MegatronLayout(tp=1), 2, 2),
+    ("TP2xPP2 -> TP4", MegatronLayout(tp=2, pp=2), 4, 4),
+    ("TP2xPP2 -> TP2", MegatronLayout(tp=2, pp=2), 4, 2),
+]
+
+
+def best_of(repeats: int, fn) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def run_case(hf: dict, name: str, layout: MegatronLayout, world: int, rollout_tp: int, dtype: torch.dtype,
+             repeats: int, execute: bool) -> None:
+    element = torch.empty((), dtype=dtype).element_size()
+    start = time.perf_counter()
+    plan = plan_megatron_to_sglang(hf, layout, world, rollout_tp, element_size=element)
+    plan_s = time.perf_counter() - start
+    start = time.perf_counter()
+    plan.check()
+    check_s = time.perf_counter() - start
+    total = plan.local_bytes + plan.network_bytes
+    line = (f"{name:34s} plan {plan_s:6.2f} s  check {check_s:6.2f} s  {total / 2**30:6.2f} GiB  "
+            f"network {plan.network_bytes / 2**30:6.2f} GiB (minimum {plan.minimum_network_bytes / 2**30:6.2f})")
+    if not execute:
+        print(line, flush=True)
+        return
+    positions = megatron_device_positions(layout, world)
+    shards = megatron_shards(hf, layout)
+    sources = {device: {(i, key): torch.ones(t.shape, dtype=dtype) for i, chunk in enumerate(shards[pos])
+                        for key, t in chunk.items()} for device, pos in positions.items()}
+    buffers = {device: {key: torch.zeros(t.shape, dtype=dtype) for key, t in tensors.items()}
+               for device, tensors in plan.destinations.items()}
+    exec_s = best_of(repeats, lambda: execute_plan_in_memory(plan, sources, buffers))
+    flat_src = torch.ones(total // element, dtype=dtype)
+    flat_dst = torch.zeros_like(flat_src)
+    copy_s = best_of(repeats, lambda: flat_dst.copy_(flat_src))
+    del sources, buffers, flat_src, flat_dst
+    print(f"{line}  execute {exec_s:6.3f} s = {total / exec_s / 1e9:5.2f} GB/s  plain copy "
+          f"{total / copy_s / 1e9:5.2f} GB/s  ratio {copy_s / exec_s:5.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="+", default=["bench-llama-100m", "bench-llama-1b"])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plan-only", nargs="*", default=["llama3-70b"],
+                        help="presets to plan without executing (too large for this machine's memory)")
+    args = parser.parse_args()
+    dtype = dtype_from_name(args.dtype)
+    print(f"bench_reshard: load average {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} torch threads, "
+          f"dtype {args.dtype}", flush=True)
+    for preset in args.presets:
+        hf = hf_config_dict(preset)
+        print(f"\n{preset}", flush=True)
+        for case in CASES:
+            run_case(hf, *case, dtype=dtype, repeats=args.repeats, execute=True)
+    for preset in args.plan_only:
+        hf = hf_config_dict(preset)
+        print(f"\n{preset} (plan only)", flush=True)
+        for name, layout, world, rollout_tp in [("TP8xPP4 -> TP8", MegatronLayout(tp=8, pp=4), 32, 8),
+                                                 ("TP8xPP4 -> TP4", MegatronLayout(tp=8, pp=4), 32, 4),
+                                                 ("TP8 -> TP8", MegatronLayout(tp=8), 8, 8)]:
+            run_case(hf, name, layout, world, rollout_tp, dtype, args.repeats, execute=False)
+
+
+if __name__ == "__main__":
+    main()
