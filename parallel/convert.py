@@ -9,6 +9,7 @@ replicas (TP-replicated norms, the tied output layer) agree bit for bit.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -67,52 +68,82 @@ def load_hf_into_chunks(chunks: list, ckpt: HFCheckpoint, layout: MegatronLayout
                 fill_local_tensor(param.data, tensors[name], ckpt)
 
 
-def _pieces_by_hf_name(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout):
-    """hf name -> [(source box, tensor view)] that this rank holds."""
-    expected = megatron_shards(hf, layout)[this_megatron_rank()]
+def _boxes_by_hf_name(tensors_per_chunk: list[dict[str, LocalTensor]]) -> dict[str, list]:
+    """hf name -> [(chunk, parameter name, piece)] in one fixed order (the shards' order), which
+    every rank can compute for every other rank."""
     held: dict[str, list] = {}
-    for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
-        params = dict(_unwrap(chunk).named_parameters())
-        _check_names(index, set(params), set(tensors))
-        for name, param in params.items():
-            for piece in tensors[name].pieces:
+    for index, tensors in enumerate(tensors_per_chunk):
+        for name, tensor in tensors.items():
+            for piece in tensor.pieces:
                 if piece.hf is not None:
-                    view = param.data[tuple(slice(a, b) for a, b in piece.dst)]
-                    held.setdefault(piece.hf, []).append((piece.src, view))
+                    held.setdefault(piece.hf, []).append((index, name, piece))
     return held
+
+
+def _contributing_ranks(layout: MegatronLayout, world_size: int) -> dict[int, MegatronRank]:
+    """One replica of the model: the ranks of data-parallel and context-parallel index 0
+    (megatron's rank order is tp-cp-dp-pp)."""
+    from parallel.plan import megatron_device_positions
+
+    dp = layout.data_parallel_size(world_size)
+    return {rank: position for rank, position in megatron_device_positions(layout, world_size).items()
+            if (rank // layout.tp) % (layout.cp * dp) == 0}
 
 
 def gather_hf_tensors(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout,
                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Collective over the world group: yields (name, full HF tensor) on rank 0 and (name, None)
-    elsewhere, for every tensor of the HF checkpoint, in checkpoint order."""
-    from megatron.core import parallel_state
+    elsewhere, for every tensor of the HF checkpoint, in checkpoint order.
 
-    held = _pieces_by_hf_name(chunks, hf, layout)
-    # Only one data-parallel / context-parallel replica contributes.
-    contributes = (parallel_state.get_data_parallel_rank() == 0
-                   and parallel_state.get_context_parallel_rank() == 0)
-    rank0 = dist.get_rank() == 0
+    Every rank knows which boxes every other rank holds (the shards are computed from the
+    config), so each contributing rank sends one flat buffer per tensor to rank 0 and rank 0
+    receives into buffers of known size: no pickling, one tensor in flight.
+    """
+    shards = megatron_shards(hf, layout)
+    me = dist.get_rank()
+    contributors = _contributing_ranks(layout, dist.get_world_size())
+    boxes = {rank: _boxes_by_hf_name(shards[position]) for rank, position in contributors.items()}
+    params = {}
+    if me in contributors:
+        for index, (chunk, tensors) in enumerate(zip(chunks, shards[contributors[me]])):
+            params[index] = dict(_unwrap(chunk).named_parameters())
+            _check_names(index, set(params[index]), set(tensors))
+    element_dtype = next(iter(_unwrap(chunks[0]).parameters())).dtype
+
+    def views(rank, name):
+        return [params[index][param][tuple(slice(a, b) for a, b in piece.dst)]
+                for index, param, piece in boxes[rank].get(name, [])]
+
     for name, shape in hf_tensor_shapes(hf).items():
-        mine = [(box, view.clone()) for box, view in held.get(name, [])] if contributes else []
-        gathered = [None] * dist.get_world_size() if rank0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if not rank0:
+        if me != 0:
+            mine = views(me, name) if me in contributors else []
+            if mine:
+                dist.send(torch.cat([v.reshape(-1) for v in mine]), dst=0)
             yield name, None
             continue
-        pieces = [piece for rank_pieces in gathered for piece in rank_pieces]
-        if not pieces:
-            raise CheckpointError(f"no rank holds any part of {name}")
-        full = torch.empty(shape, dtype=dtype or pieces[0][1].dtype)
+        full = torch.empty(shape, dtype=dtype or element_dtype)
         covered = torch.zeros(shape, dtype=torch.bool)
-        for box, data in pieces:
-            index = tuple(slice(a, b) for a, b in box)
-            data = data.to(full.dtype)
-            if covered[index].any():
-                if not torch.equal(full[index][covered[index]], data[covered[index]]):
-                    raise CheckpointError(f"replicas of {name} box {box} differ between ranks")
-            full[index] = data
-            covered[index] = True
+        for rank in sorted(contributors):
+            pieces = boxes[rank].get(name, [])
+            if not pieces:
+                continue
+            if rank == 0:
+                data = [v.reshape(-1) for v in views(0, name)]
+                flat = torch.cat(data)
+            else:
+                flat = torch.empty(sum(math.prod(b - a for a, b in p.src) for _, _, p in pieces), dtype=element_dtype)
+                dist.recv(flat, src=rank)
+            offset = 0
+            for _, _, piece in pieces:
+                index = tuple(slice(a, b) for a, b in piece.src)
+                size = math.prod(b - a for a, b in piece.src)
+                data = flat[offset: offset + size].view([b - a for a, b in piece.src]).to(full.dtype)
+                offset += size
+                seen = covered[index]
+                if seen.any() and not torch.equal(full[index][seen], data[seen]):
+                    raise CheckpointError(f"replicas of {name} box {piece.src} differ between ranks")
+                full[index] = data
+                covered[index] = True
         if not covered.all():
             raise CheckpointError(f"{name}: {int((~covered).sum())} elements held by no rank")
         yield name, full

@@ -36,7 +36,8 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (dtype and shape included), stable across layouts."""
     data = tensor.detach().contiguous().cpu()
     digest = hashlib.sha256(f"{data.dtype}:{tuple(data.shape)}:".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    if data.numel():
+        digest.update(data.reshape(-1).view(torch.uint8).numpy())  # hashes the buffer, no copy
     return digest.hexdigest()
 
 
@@ -113,6 +114,10 @@ class HFCheckpoint:
 
     def read(self, name: str) -> torch.Tensor:
         return self.read_box(name, tuple((0, n) for n in self._shape_of[name]))
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Every tensor (small checkpoints: tests and tools)."""
+        return {name: self.read(name) for name in self.names}
 
 
 @contextlib.contextmanager

@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from model_specs.presets import hf_config_dict, save_tiny_hf_model
+from parallel.hf_io import HFCheckpoint
 from parallel.spawn import run_on_ranks
 from tests import rank_fns
 
@@ -44,12 +44,7 @@ def _preset(model):
 
 
 def _read_all(path):
-    tensors = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                tensors[name] = handle.get_tensor(name)
-    return tensors
+    return HFCheckpoint(path, check_tensors=False).read_all()
 
 
 TOKENS = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
