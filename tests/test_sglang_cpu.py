@@ -1,4 +1,5 @@
-"""The real SGLang engine on CPU: greedy output equals HF transformers', token for token.
+"""The real SGLang engine on CPU: greedy output equals HF transformers', token for token, also
+after a direct per-rank weight update.
 
 Engines run in their own process group (megarl.rollout.SGLangEngine), so a crashing engine is a
 failing test, never a dead pytest. One engine runs at a time (module-scoped, parametrised fixture).
@@ -6,7 +7,9 @@ failing test, never a dead pytest. One engine runs at a time (module-scoped, par
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -15,11 +18,15 @@ import time
 import psutil
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from megarl.rollout import EngineDiedError, EngineTimeoutError, SGLangEngine
-from model_specs.presets import save_tiny_hf_model
+from megarl.rollout import (EngineDiedError, EngineTimeoutError, SGLangEngine, serialize_rank_tensors,
+                            sglang_tensor_checksum)
+from model_specs.presets import PRESETS, save_tiny_hf_model
 from parallel.cpu_stubs import child_env
+from tests import sglang_probe
 from tests.processes import live, live_descendants
+from tests.sglang_oracle import sglang_all_rank_parameters
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-path tests")
 
@@ -196,6 +203,108 @@ def test_owner_death_kills_the_engine(model_dirs, tmp_path):
     assert _engine_leftovers(engine_pid) == []
 
 
+# --------------------------------------------------------------------------- weight updates
+# One TP=2 engine (class scope: it is gone before the parity engines below start) serving
+# tiny-llama seed 0 (untied, vocab 200 padded to 256); updates bring in seed 1 and back. The
+# per-rank tensors come from the SGLang oracle (SGLang's own model class loading the checkpoint
+# as each rank), not from megarl's layout code.
+
+
+@pytest.fixture(scope="module")
+def second_llama(tmp_path_factory):
+    return save_tiny_hf_model("tiny-llama", tmp_path_factory.mktemp("models-b") / "tiny-llama-b", seed=1)
+
+
+def _checksums(per_rank: list[dict[str, torch.Tensor]]) -> list[dict[str, str]]:
+    return [{name: sglang_tensor_checksum(t) for name, t in tensors.items()} for tensors in per_rank]
+
+
+def test_rank_payload_is_self_contained_and_owns_its_bytes():
+    """A payload carries the tensors' data inline (no shared memory, no fds: it crosses any process
+    boundary) and only the bytes of each tensor, not the whole storage a slice points into."""
+    base = torch.randn(1000, 256)
+    tensors = {"rows": base[10:12], "cols": base[:4, 3:5], "whole": torch.arange(6.0)}
+    payload = serialize_rank_tensors(tensors)
+    assert len(payload) < 8192  # base alone is 1 MB
+    decoded = pickle.loads(payload)
+    assert [n for n, _ in decoded] == list(tensors)
+    for (name, got), want in zip(decoded, tensors.values()):
+        assert torch.equal(got, want) and got.is_contiguous(), name
+    assert sglang_tensor_checksum(base[:2]) == hashlib.sha256(base[:2].numpy().tobytes()).hexdigest()[:16]
+    with pytest.raises(TypeError, match="str -> torch.Tensor"):
+        serialize_rank_tensors({"x": [1.0]})
+
+
+class TestWeightUpdate:
+    TP = 2
+
+    @pytest.fixture(scope="class")
+    def engine(self, model_dirs):
+        with SGLangEngine(model_dirs["tiny-llama"], tp_size=self.TP, startup_timeout_s=240, call_timeout_s=120,
+                          custom_weight_loader=[sglang_probe.PROBE]) as eng:
+            yield eng
+        assert _engine_leftovers(eng.pid) == []
+
+    @pytest.mark.timeout(300)
+    def test_direct_update_matches_hf_in_place(self, engine, model_dirs, second_llama, tmp_path):
+        first = sglang_all_rank_parameters(model_dirs["tiny-llama"], self.TP)
+        second = sglang_all_rank_parameters(second_llama, self.TP)
+        # Checksums come from inside each scheduler; every parameter of every rank, nothing else.
+        assert engine.rank_parameter_checksums() == _checksums(first)
+        pointers = sglang_probe.parameter_pointers(engine, str(tmp_path / "before"))
+        assert [set(p) for p in pointers] == [set(r) for r in first]
+
+        start = time.perf_counter()
+        with engine.weight_update():
+            engine.update_weights_direct(second)
+        print(f"one full direct update (tiny-llama, TP={self.TP}): {time.perf_counter() - start:.3f} s")
+
+        assert engine.rank_parameter_checksums() == _checksums(second)
+        prompts = _prompts(PRESETS["tiny-llama"]["vocab_size"])
+        outs = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+                               return_logprob=True)
+        for prompt, out, (hf_ids, hf_logps) in zip(prompts, outs, _hf_greedy(second_llama, prompts)):
+            assert out["output_ids"] == hf_ids, f"prompt {prompt}"
+            assert out["output_logprobs"] == pytest.approx(hf_logps, abs=1e-4)
+        # In place: every parameter of every rank is where it was.
+        assert sglang_probe.parameter_pointers(engine, str(tmp_path / "after")) == pointers
+
+        # Back to the first checkpoint in two buckets, flushing the cache only after the last.
+        with engine.weight_update():
+            for half in (0, 1):
+                engine.update_weights_direct(
+                    [{n: t for i, (n, t) in enumerate(r.items()) if i % 2 == half} for r in first],
+                    flush_cache=bool(half))
+        assert engine.rank_parameter_checksums() == _checksums(first)
+
+    @pytest.mark.timeout(300)
+    def test_bad_updates_fail_before_reaching_sglang(self, engine, model_dirs):
+        tensors = sglang_all_rank_parameters(model_dirs["tiny-llama"], self.TP)
+        with pytest.raises(RuntimeError, match="inside engine.weight_update"):
+            engine.update_weights_direct(tensors)
+        with engine.weight_update():
+            with pytest.raises(ValueError, match="one dict per TP rank"):
+                engine.update_weights_direct(tensors[:1])
+            bad = [dict(r) for r in tensors]
+            bad[1]["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(32, 64)  # an HF name
+            with pytest.raises(ValueError, match=r"TP rank 1 has no parameter\(s\) \['model.layers.0.self_attn.q_proj"):
+                engine.update_weights_direct(bad)
+        out = engine.generate([[1, 2, 3]], {"temperature": 0.0, "max_new_tokens": 2})  # still serving
+        assert len(out[0]["output_ids"]) == 2
+
+    @pytest.mark.timeout(300)
+    def test_get_weights_by_name_and_flush_cache(self, engine, second_llama):
+        second = sglang_all_rank_parameters(second_llama, self.TP)
+        with engine.weight_update():
+            engine.update_weights_direct(second)
+        hf = load_file(f"{second_llama}/model.safetensors")
+        assert engine.get_weights_by_name("model.norm.weight", truncate_size=5) == hf["model.norm.weight"][:5].tolist()
+        # rank 0's first rows of the (vocab-parallel) embedding
+        assert engine.get_weights_by_name("model.embed_tokens.weight", truncate_size=3) == \
+            second[0]["model.embed_tokens.weight"][:3].tolist()
+        assert engine.flush_cache() is True
+
+
 # --------------------------------------------------------------------------- parity with HF
 # Last in the file: the module-scoped engine of the final case lives until the module ends, and
 # the tests above must not share the machine (or their leftover checks) with it.
@@ -214,8 +323,6 @@ def engine_case(request, model_dirs):
 @pytest.mark.timeout(300)
 def test_greedy_and_logprobs_match_hf(engine_case):
     preset, model_dir, eng = engine_case
-    from model_specs.presets import PRESETS
-
     assert eng.info["cpu_stubs"] and "sgl_kernel" in eng.info["cpu_stubs"]
     prompts = _prompts(PRESETS[preset]["vocab_size"])
     outs = eng.generate(prompts, {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},

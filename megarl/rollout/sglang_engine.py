@@ -10,11 +10,19 @@ The handle is shaped like ``sglang.Engine`` (token ids in, token ids out) so it 
 request is a ``(method, args, kwargs)`` message over a pipe, see :meth:`SGLangEngine.call`.
 Without CUDA it selects SGLang's CPU path (torch-native attention, pytorch sampling) and installs
 the import stubs of :mod:`parallel.cpu_stubs` in the engine's processes.
+
+Weight sync: :meth:`SGLangEngine.update_weights_direct` copies already-sharded tensors into each TP
+rank's own parameters (one payload per rank, SGLang's ``load_format="direct"``) inside a
+:meth:`SGLangEngine.weight_update` session; :meth:`SGLangEngine.rank_parameter_checksums` reads
+back what every rank holds, hashed inside the scheduler processes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -82,6 +90,52 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
+def serialize_rank_tensors(tensors: dict[str, Any]) -> bytes:
+    """One TP rank's ``{name: tensor}`` as the payload SGLang's ``update_weights_from_tensor``
+    decodes (with its whitelisting unpickler) in that rank's scheduler.
+
+    CPU tensors are pickled with their data inline (plain pickle; each tensor is first made to own
+    exactly its bytes, so a slice never drags its base tensor's whole storage along): the payload
+    is self-contained and needs no shared memory or fd passing, which across the handle's process
+    boundary would fail (multiprocessing's fd sharer authenticates with a per-process-tree key).
+    SGLang's ``monkey_patch_torch_reductions`` is NOT applied: after it, CPU tensors no longer
+    serialize with multiprocessing's pickler (plain pickle is unaffected). CUDA tensors go as CUDA
+    IPC handles, the way SGLang's own Engine serializes them (its serializer, after its reductions
+    patch); that path needs a GPU and has not been run yet.
+    """
+    import torch
+
+    items = []
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"update payload entries must be str -> torch.Tensor, got {name!r} -> "
+                            f"{type(tensor).__name__}")
+        items.append((name, tensor.detach()))
+    devices = {t.device.type for _, t in items}
+    if devices <= {"cpu"}:
+        own = [(n, t if t.is_contiguous() and t.storage_offset() == 0
+                and t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone())
+               for n, t in items]
+        return pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL)
+    if devices == {"cuda"}:
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+        return MultiprocessingSerializer.serialize(items)
+    raise ValueError(f"update payload mixes or uses unsupported devices {sorted(devices)}")
+
+
+def sglang_tensor_checksum(tensor) -> str:
+    """The checksum SGLang's weight checker reports for a CPU tensor (see
+    :meth:`SGLangEngine.rank_parameter_checksums`): the first 16 hex digits of the sha256 of its
+    bytes in row-major order."""
+    import torch
+
+    t = tensor.detach().cpu().contiguous()
+    return hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).hexdigest()[:16]
+
+
 class SGLangEngine:
     """A real ``sglang.Engine`` living in its own process group.
 
@@ -140,6 +194,8 @@ class SGLangEngine:
         self._conn = Connection(parent_sock.detach())
         self._finalizer = weakref.finalize(self, _kill_group, self.pid)
         self._closed = False
+        self._weight_update_open = False  # between begin_weight_update and end_weight_update
+        self._parameter_names: list[frozenset[str]] | None = None
         self._conn.send(kwargs)
         self.info = self._wait_reply(startup_timeout_s, "startup")
 
@@ -168,6 +224,89 @@ class SGLangEngine:
         """One dict per prompt: ``output_ids``, ``finish_reason`` and, with ``return_logprob``,
         ``output_logprobs`` (log-prob of each output token)."""
         return self.call("generate", input_ids, sampling_params, return_logprob, timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------ weights
+    # SGLang (0.5.23) refuses update_weights_from_* outside a begin/end weight-update session.
+
+    def begin_weight_update(self, timeout_s: float | None = None) -> None:
+        """Open a weight-update session (SGLang pauses nothing: call it when no request runs)."""
+        self.call("begin_weight_update", timeout_s=timeout_s)
+        self._weight_update_open = True
+
+    def end_weight_update(self, timeout_s: float | None = None) -> None:
+        """Close the session opened by :meth:`begin_weight_update`."""
+        self.call("end_weight_update", timeout_s=timeout_s)
+        self._weight_update_open = False
+
+    @contextlib.contextmanager
+    def weight_update(self, timeout_s: float | None = None):
+        """``with engine.weight_update(): engine.update_weights_direct(...)`` (one or more buckets);
+        the session is closed even if an update raises (unless the engine died)."""
+        self.begin_weight_update(timeout_s=timeout_s)
+        try:
+            yield self
+        finally:
+            if not self._closed:
+                self.end_weight_update(timeout_s=timeout_s)
+
+    def update_weights_direct(self, per_rank: list[dict[str, Any]], flush_cache: bool = True,
+                              timeout_s: float | None = None) -> None:
+        """Copy already-sharded tensors into each TP rank's parameters, in place.
+
+        ``per_rank[r]`` maps SGLang parameter names of TP rank ``r`` (``named_parameters()`` of its
+        model, e.g. ``model.layers.0.self_attn.qkv_proj.weight``) to that rank's full local tensor
+        (same shape and dtype as the parameter); a bucket may name any subset of the parameters.
+        Delivered with SGLang's ``update_weights_from_tensor(load_format="direct")``: one payload
+        per rank, each rank decodes only its own (:func:`serialize_rank_tensors`). Must run
+        inside :meth:`weight_update`. ``flush_cache`` flushes SGLang's prefix cache after the
+        load (pass False for all but the last bucket).
+
+        SGLang's direct loader checks nothing before copying, and a bad entry kills the engine
+        (the scheduler dies: :class:`EngineDiedError`). Names are checked here first against
+        :meth:`rank_parameter_names` (ValueError, engine unharmed); shapes and dtypes are the
+        caller's plan's to get right (a mismatch is an assertion in the scheduler).
+        """
+        if not self._weight_update_open:
+            raise RuntimeError("update_weights_direct must run inside engine.weight_update() "
+                               "(SGLang refuses weight updates outside a begin/end session)")
+        if len(per_rank) != self.tp_size:
+            raise ValueError(f"update_weights_direct got {len(per_rank)} per-rank dicts for an engine "
+                             f"with tp_size={self.tp_size}: pass exactly one dict per TP rank")
+        for rank, (tensors, known) in enumerate(zip(per_rank, self.rank_parameter_names())):
+            unknown = sorted(set(tensors) - known)
+            if unknown:
+                raise ValueError(f"update_weights_direct: TP rank {rank} has no parameter(s) {unknown[:5]}"
+                                 f"{' ...' if len(unknown) > 5 else ''}; its parameters are SGLang's "
+                                 f"names, e.g. {sorted(known)[:3]}")
+        payloads = [serialize_rank_tensors(tensors) for tensors in per_rank]
+        self.call("update_weights_from_payloads", payloads, "direct", flush_cache, timeout_s=timeout_s)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100,
+                            timeout_s: float | None = None) -> list | None:
+        """SGLang's ``get_weights_by_name``: TP rank 0's first ``truncate_size`` rows of a parameter
+        as nested lists (HF names accepted for fused parameters; at TP>1 SGLang all-gathers
+        ``o_proj``/``down_proj`` columns). A debugging probe, not a per-rank view."""
+        return self.call("get_weights_by_name", name, truncate_size, timeout_s=timeout_s)
+
+    def flush_cache(self, timeout_s: float | None = None) -> bool:
+        """Flush SGLang's prefix (radix) cache; False when SGLang refused (requests in flight)."""
+        return self.call("flush_cache", timeout_s=timeout_s)
+
+    def rank_parameter_names(self) -> list[frozenset[str]]:
+        """Per TP rank, the names :meth:`update_weights_direct` accepts (SGLang's parameter names).
+        Read once per engine, from :meth:`rank_parameter_checksums`."""
+        if self._parameter_names is None:
+            self._parameter_names = [frozenset(c) for c in self.rank_parameter_checksums()]
+        return self._parameter_names
+
+    def rank_parameter_checksums(self, timeout_s: float | None = None) -> list[dict[str, str]]:
+        """Per TP rank (index = rank), ``{name: checksum}`` of every parameter (and persistent
+        buffer), computed inside each scheduler process by SGLang's own weight checker
+        (``check_weights(action="checksum")``). On CPU a checksum is the first 16 hex digits of
+        the sha256 of the tensor's bytes, i.e. :func:`sglang_tensor_checksum`; on CUDA SGLang hashes on
+        the GPU with its own kernel (compare with ``sglang.srt.managers.mm_utils.tensor_hash``).
+        """
+        return self.call("rank_parameter_checksums", timeout_s=timeout_s)
 
     def _wait_reply(self, timeout_s: float, what: str) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -284,7 +423,58 @@ def _do_generate(engine, input_ids, sampling_params, return_logprob):
     return results
 
 
-_HELPERS = {"generate": _do_generate}  # methods whose arguments/results the handle reshapes
+def _checked(result, what: str):
+    """SGLang's session/update calls answer ``(success, message)``; raise on failure."""
+    success, message = result[0], result[1]
+    if not success:
+        raise RuntimeError(f"SGLang {what} failed: {message}")
+    return message
+
+
+def _do_begin_weight_update(engine):
+    _checked(engine.begin_weight_update(), "begin_weight_update")
+
+
+def _do_end_weight_update(engine):
+    _checked(engine.end_weight_update(), "end_weight_update")
+
+
+def _do_update_weights_from_payloads(engine, payloads: list[bytes], load_format: str | None,
+                                     flush_cache: bool):
+    """SGLang's Engine.update_weights_from_tensor serializes ONE tensor list for every rank; per-rank
+    tensors need the request built by hand: ``serialized_named_tensors[r]`` is rank r's payload."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+    obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
+                                          flush_cache=flush_cache)
+    _checked(engine.loop.run_until_complete(engine.tokenizer_manager.update_weights_from_tensor(obj, None)),
+             f"update_weights_from_tensor(load_format={load_format!r})")
+
+
+def _do_flush_cache(engine):
+    return bool(engine.flush_cache().success)
+
+
+def _do_rank_parameter_checksums(engine):
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    success, message, ranks, _ = engine.loop.run_until_complete(
+        engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None))
+    if not success or ranks is None:
+        raise RuntimeError(f"SGLang check_weights(checksum) failed: {message}")
+    by_rank = {info["parallelism_info"][0]["tp_rank"]: info["checksums"] for info in ranks}
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
+# methods whose arguments/results the handle reshapes (the rest go to the Engine unchanged)
+_HELPERS = {
+    "generate": _do_generate,
+    "begin_weight_update": _do_begin_weight_update,
+    "end_weight_update": _do_end_weight_update,
+    "update_weights_from_payloads": _do_update_weights_from_payloads,  # args: per-rank payloads, load_format, flush
+    "flush_cache": _do_flush_cache,
+    "rank_parameter_checksums": _do_rank_parameter_checksums,
+}
 
 
 def _watch_parent(parent_pid: int) -> None:

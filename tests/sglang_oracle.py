@@ -1,0 +1,184 @@
+"""SGLang's own answer to "what does TP rank r of an SGLang engine hold?" (a test oracle only).
+
+For an HF checkpoint directory, :func:`sglang_rank_parameters` builds SGLang's OWN model class for
+the checkpoint's architecture (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``MistralForCausalLM`` from ``sglang.srt.models``) as TP rank ``rank`` of ``tp_size``, loads the
+HF tensors with the model's own ``load_weights`` and returns every named parameter. Nothing of
+megarl's layout code is involved: the fused QKV (``[q_r; k_r; v_r]``, KV heads replicated when
+``tp_size`` > KV heads), stacked ``gate_up_proj``, the vocab padding and the TP slices are
+SGLang's.
+
+How one process plays every rank (see shared/notes/sglang_cpu.md): no torch.distributed. For
+each rank, publish ``ServerArgs(device="cpu", tp_size=t)`` with role ``"test"`` and
+``SpawnRanks(world_rank=r)``, stamp fake group handles (rank_in_group / world_size / ranks) for
+every group SGLang reads, construct, load, read ``named_parameters()``, then ``clear_stamp()``
+before the next rank. A fake group has no communication methods: a model that tried a
+collective during construction or loading would fail loudly, not silently.
+
+Deliberately WITHOUT ``SGLANG_USE_CPU_ENGINE``: with it SGLang's loaders zero-pad splits that do
+not divide (a CPU-only behaviour), so this oracle states the layout of SGLang's GPU path. For the
+tiny presets (every split divides) the two layouts are the same. Without the CPU platform,
+SGLang's rotary embedding imports ``vllm._custom_ops.rotary_embedding`` at construction (its
+non-CUDA fallback kernel); the oracle process gets a placeholder module that raises if called.
+It is never called: nothing runs a forward pass here.
+
+Everything runs in a fresh subprocess (SGLang's published config, its process-wide stamps, the
+CPU import stubs and the vllm placeholder stay out of the caller, e.g. pytest), which computes
+all ranks of one ``(hf_dir, tp_size)`` at once; the result is cached in the caller per
+checkpoint file state, so asking for rank 1 after rank 0 is free. One call for a tiny model
+takes ~10 s (SGLang's imports dominate; building and loading a rank takes ~0.02 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+# HF architecture -> the sglang.srt.models module defining SGLang's class of that name. Importing
+# the module directly skips SGLang's model registry, which imports every model (~4 s).
+ARCHITECTURE_MODULES = {
+    "LlamaForCausalLM": "sglang.srt.models.llama",
+    "Qwen2ForCausalLM": "sglang.srt.models.qwen2",
+    "Qwen3ForCausalLM": "sglang.srt.models.qwen3",
+    "MistralForCausalLM": "sglang.srt.models.mistral",
+}
+
+# Groups SGLang's models and layers read through get_parallel(); which of them have width tp_size
+# (the rest are width 1: no expert/context/pipeline parallelism).
+_TP_WIDE_GROUPS = ("world_group", "tp_group", "attn_tp_group", "moe_tp_group", "shared_experts_tp_group")
+_SINGLETON_GROUPS = ("moe_ep_group", "moe_dp_group", "attn_cp_group", "pp_group")
+
+
+def sglang_rank_parameters(hf_dir: str | os.PathLike, tp_size: int, rank: int) -> dict[str, torch.Tensor]:
+    """Every named parameter of SGLang's model for ``hf_dir`` as TP rank ``rank`` of ``tp_size``
+    holds it after loading the checkpoint: ``{name: tensor}`` (fresh copies, in
+    ``named_parameters()`` order, SGLang's names such as ``model.layers.0.self_attn.qkv_proj.weight``).
+
+    Tied embeddings: ``named_parameters()`` lists a shared parameter once, so with
+    ``tie_word_embeddings`` there is NO ``lm_head.weight`` entry (SGLang's ``lm_head`` is the
+    ``model.embed_tokens`` module itself); untied checkpoints have a separate ``lm_head.weight``.
+    """
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} is not a rank of tp_size {tp_size}")
+    return {k: v.clone() for k, v in sglang_all_rank_parameters(hf_dir, tp_size)[rank].items()}
+
+
+def sglang_all_rank_parameters(hf_dir: str | os.PathLike, tp_size: int) -> list[dict[str, torch.Tensor]]:
+    """:func:`sglang_rank_parameters` for every rank (index = rank). Cached per checkpoint state:
+    do not modify the returned tensors."""
+    hf_dir = os.path.realpath(hf_dir)
+    stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                         for p in Path(hf_dir).iterdir() if p.suffix in (".safetensors", ".json")))
+    return _cached_run(hf_dir, int(tp_size), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_run(hf_dir: str, tp_size: int, _stamp) -> list[dict[str, torch.Tensor]]:
+    from parallel.cpu_stubs import child_env
+
+    env = child_env()
+    env.pop("SGLANG_USE_CPU_ENGINE", None)  # the GPU path's layout, see the module docstring
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="megarl-sglang-oracle-") as tmp:
+        out = os.path.join(tmp, "ranks.pt")
+        res = subprocess.run([sys.executable, "-m", "tests.sglang_oracle", hf_dir, str(tp_size), out],
+                             env=env, cwd=str(_PROJECT_ROOT), capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise RuntimeError(f"SGLang oracle failed for {hf_dir} at TP={tp_size} "
+                               f"(exit {res.returncode}):\n{res.stderr[-4000:]}")
+        return torch.load(out, weights_only=True)
+
+
+# ---------------------------------------------------------------------- the oracle process
+
+
+def _install_vllm_placeholder() -> None:
+    import types
+
+    def rotary_embedding(*args, **kwargs):
+        raise RuntimeError("sglang oracle: the vllm rotary-embedding placeholder was called")
+
+    vllm, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
+    ops.rotary_embedding = rotary_embedding
+    vllm._custom_ops = ops
+    sys.modules.setdefault("vllm", vllm)
+    sys.modules.setdefault("vllm._custom_ops", ops)
+
+
+def _fake_group(name: str, rank: int, size: int):
+    """A group handle with the bookkeeping SGLang reads and no communication methods."""
+    import types
+
+    return types.SimpleNamespace(
+        unique_name=name, rank_in_group=rank, world_size=size, ranks=list(range(size)),
+        rank=rank, local_rank=rank, first_rank=0, last_rank=size - 1,
+        is_first_rank=rank == 0, is_last_rank=rank == size - 1,
+        next_rank=(rank + 1) % size, prev_rank=(rank - 1) % size,
+        cpu_group=None, device_group=None)
+
+
+def _hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def _build_rank(hf_dir: str, tp_size: int, rank: int, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import importlib
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    parallel = get_parallel()
+    parallel.clear_stamp()
+    server_args = ServerArgs(model_path=hf_dir, device="cpu", tp_size=tp_size, dtype="float32",
+                             skip_tokenizer_init=True)
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=rank))
+    parallel.override_permanently(
+        **{g: _fake_group(g, rank, tp_size) for g in _TP_WIDE_GROUPS},
+        **{g: _fake_group(g, 0, 1) for g in _SINGLETON_GROUPS})
+    assert (parallel.tp_rank, parallel.tp_size) == (rank, tp_size), (parallel.tp_rank, parallel.tp_size)
+
+    model_config = ModelConfig.from_server_args(server_args)
+    archs = model_config.hf_config.architectures or []
+    known = [a for a in archs if a in ARCHITECTURE_MODULES]
+    if not known:
+        raise ValueError(f"{hf_dir}: architectures {archs}; the oracle knows {sorted(ARCHITECTURE_MODULES)}")
+    model_class = getattr(importlib.import_module(ARCHITECTURE_MODULES[known[0]]), known[0])
+    with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        model = model_class(config=model_config.hf_config, quant_config=None)
+    model.load_weights(iter(hf.items()))
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    parallel.clear_stamp()
+    return params
+
+
+def _main(hf_dir: str, tp_size: int, out: str) -> None:
+    from parallel.cpu_stubs import install
+
+    install()
+    _install_vllm_placeholder()
+    if os.environ.get("SGLANG_USE_CPU_ENGINE"):
+        raise SystemExit("the SGLang oracle must run without SGLANG_USE_CPU_ENGINE")
+    hf = _hf_tensors(hf_dir)
+    torch.save([_build_rank(hf_dir, tp_size, r, hf) for r in range(tp_size)], out)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
