@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import time
@@ -61,9 +62,11 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, env, conn, init_distrib
                 rank=rank, world_size=world_size, timeout=timedelta(seconds=float(env.get("MEGARL_DIST_TIMEOUT_S", 120))),
             )
         result = fn(*args, **kwargs)
-        conn.send(("ok", result))
+        # Plain pickle, not multiprocessing's: that one passes tensors as shared-memory handles
+        # served by this process, which may have exited by the time the parent reads them.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         conn.close()
         try:
@@ -129,7 +132,7 @@ def run_on_ranks(
             for conn in mp.connection.wait(list(pending), timeout=min(remaining, 1.0)):
                 rank = pending.pop(conn)
                 try:
-                    status, payload = conn.recv()
+                    status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[rank].join(5)
                     raise RankFailedError(
