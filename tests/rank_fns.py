@@ -196,3 +196,44 @@ def reshard_megatron_to_sglang(hf_dir, layout_kwargs, rollout_tp, bucket_bytes):
     stats = execute_plan(plan, device, sources, buffers, bucket_bytes=bucket_bytes)
     parallel_state.destroy_model_parallel()
     return buffers, stats, plan.network_bytes
+
+
+def train_one_step_then_reshard(hf_dir, layout_kwargs, rollout_tps, export_dir):
+    """A Megatron actor loads an HF checkpoint, trains one optimizer step, exports the trained
+    weights as HF (rank 0) and reshards them for SGLang engines of each TP in ``rollout_tps``.
+    Returns {rollout_tp: this device's SGLang buffers}."""
+    from megatron.core import parallel_state
+
+    from megarl.data.synthetic import arithmetic_sequence_batches
+    from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
+    from parallel.convert import gather_hf_tensors, hf_config_for_export, load_hf_into_chunks
+    from parallel.hf_io import HFCheckpoint, write_hf_checkpoint
+    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
+    from parallel.plan import execute_plan, plan_megatron_to_sglang
+
+    layout = MegatronLayout(**layout_kwargs)
+    ckpt = HFCheckpoint(hf_dir)
+    initialize_megatron(layout)
+    chunks = build_model_chunks(ckpt.config, layout)
+    load_hf_into_chunks(chunks, ckpt, layout)
+    chunks = wrap_ddp(chunks, layout)
+    optimizer = build_optimizer(chunks, OptimConfig(lr=1e-2), layout)
+    batches = arithmetic_sequence_batches(ckpt.config["vocab_size"], 2, 2, 16, seed=9)
+    train_step(chunks, optimizer, batches, 16)
+    stream = gather_hf_tensors(chunks, ckpt.config, layout)
+    if dist.get_rank() == 0:
+        write_hf_checkpoint(export_dir, hf_config_for_export(ckpt.config, torch.float32), stream)
+    else:
+        for _ in stream:
+            pass
+    device = dist.get_rank()
+    sources = {(i, name): p.data for i, chunk in enumerate(chunks) for name, p in chunk.module.named_parameters()}
+    buffers = {}
+    for rollout_tp in rollout_tps:
+        plan = plan_megatron_to_sglang(ckpt.config, layout, dist.get_world_size(), rollout_tp)
+        plan.check()
+        mine = {name: torch.empty(t.shape) for name, t in plan.destinations.get(device, {}).items()}
+        execute_plan(plan, device, sources, mine)
+        buffers[rollout_tp] = mine
+    parallel_state.destroy_model_parallel()
+    return buffers
