@@ -42,12 +42,16 @@ def check_parity(engine: SGLangEngine, expected: Sequence[Mapping[str, str]]) ->
 
 
 def sync_weights(engine: SGLangEngine, per_rank: Sequence[Mapping[str, torch.Tensor]],
-                 verify: bool = True) -> dict[str, float]:
-    """Copy ``per_rank[r]`` (SGLang names -> rank r's tensors) into the engine in place, then (by
-    default) run the parity probe. Returns timings and bytes."""
+                 verify: bool = True, bucket_bytes: int = 512 << 20) -> dict[str, float]:
+    """Copy ``per_rank[r]`` (SGLang names -> rank r's tensors) into the engine in place, in
+    buckets of about ``bucket_bytes`` (all ranks together; the engine decodes one bucket at a
+    time), then (by default) run the parity probe. Returns timings, bytes and bucket count."""
     start = time.perf_counter()
+    buckets = _buckets_by_name(per_rank, bucket_bytes)
     with engine.weight_update():
-        engine.update_weights_direct([dict(tensors) for tensors in per_rank])
+        for index, names in enumerate(buckets):
+            engine.update_weights_direct([{n: tensors[n] for n in names if n in tensors} for tensors in per_rank],
+                                         flush_cache=index == len(buckets) - 1)
     pushed = time.perf_counter()
     if verify:
         check_parity(engine, shard_checksums(per_rank))
@@ -55,7 +59,25 @@ def sync_weights(engine: SGLangEngine, per_rank: Sequence[Mapping[str, torch.Ten
         "push_s": pushed - start,
         "verify_s": time.perf_counter() - pushed,
         "bytes": float(sum(t.numel() * t.element_size() for tensors in per_rank for t in tensors.values())),
+        "buckets": float(len(buckets)),
     }
+
+
+def _buckets_by_name(per_rank: Sequence[Mapping[str, torch.Tensor]], bucket_bytes: int) -> list[list[str]]:
+    """Parameter names in order, grouped so each group's bytes over all ranks stay near the bound
+    (a single larger tensor gets a bucket of its own)."""
+    names = list(dict.fromkeys(name for tensors in per_rank for name in tensors))
+    buckets, current, size = [], [], 0
+    for name in names:
+        nbytes = sum(t[name].numel() * t[name].element_size() for t in per_rank if name in t)
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def logprob_probe(engine: SGLangEngine, prompt: list[int], completion: list[int],
