@@ -95,7 +95,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Compare two checkpoints (HF or megarl Megatron, any saved layout) tensor by tensor."""
-    from parallel.hf_io import CheckpointError
     from parallel.layout import MegatronLayout
     from parallel.spawn import RankFailedError, run_on_ranks
     from parallel.verify import verify_on_rank

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from megarl.data.synthetic import arithmetic_sequence_batches
 from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
 from model_specs.presets import hf_config_dict

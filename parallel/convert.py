@@ -17,15 +17,8 @@ import torch.distributed as dist
 
 from parallel.context_parallel import split_for_context_parallel
 from parallel.hf_io import CheckpointError, HFCheckpoint
-from parallel.layout import MegatronLayout
+from parallel.layout import MegatronLayout, unwrap_model
 from parallel.shards import LocalTensor, MegatronRank, hf_tensor_shapes, megatron_shards
-
-
-def _unwrap(chunk):
-    """A DDP/Float16 wrapper's GPTModel (wrappers prefix parameter names with 'module.')."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def this_megatron_rank() -> MegatronRank:
@@ -62,7 +55,7 @@ def load_hf_into_chunks(chunks: list, ckpt: HFCheckpoint, layout: MegatronLayout
     expected = megatron_shards(ckpt.config, layout)[this_megatron_rank()]
     with torch.no_grad():
         for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
-            params = dict(_unwrap(chunk).named_parameters())
+            params = dict(unwrap_model(chunk).named_parameters())
             _check_names(index, set(params), set(tensors))
             for name, param in params.items():
                 fill_local_tensor(param.data, tensors[name], ckpt)
@@ -106,9 +99,9 @@ def gather_hf_tensors(chunks: list, hf: Mapping[str, Any], layout: MegatronLayou
     params = {}
     if me in contributors:
         for index, (chunk, tensors) in enumerate(zip(chunks, shards[contributors[me]])):
-            params[index] = dict(_unwrap(chunk).named_parameters())
+            params[index] = dict(unwrap_model(chunk).named_parameters())
             _check_names(index, set(params[index]), set(tensors))
-    element_dtype = next(iter(_unwrap(chunks[0]).parameters())).dtype
+    element_dtype = next(iter(unwrap_model(chunks[0]).parameters())).dtype
 
     def views(rank, name):
         return [params[index][param][tuple(slice(a, b) for a, b in piece.dst)]
@@ -147,6 +140,23 @@ def gather_hf_tensors(chunks: list, hf: Mapping[str, Any], layout: MegatronLayou
         if not covered.all():
             raise CheckpointError(f"{name}: {int((~covered).sum())} elements held by no rank")
         yield name, full
+
+
+def export_hf_checkpoint(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout, target: str,
+                         recorded_checksums: Mapping[str, str] | None = None, source: str = "") -> None:
+    """Collective: write the chunks' weights as an HF checkpoint at ``target`` (rank 0 writes,
+    atomically; every rank takes part in the gather). With ``recorded_checksums``, any tensor
+    that differs from its recorded checksum fails the export before anything is renamed."""
+    from parallel.hf_io import write_hf_checkpoint
+
+    stream = gather_hf_tensors(chunks, hf, layout)
+    if recorded_checksums:
+        stream = _matching_checksums(stream, recorded_checksums, source)
+    if dist.get_rank() == 0:
+        write_hf_checkpoint(target, hf_config_for_export(hf, torch.float32), stream)
+    else:
+        for _ in stream:
+            pass
 
 
 def hf_config_for_export(hf: Mapping[str, Any], dtype: torch.dtype) -> dict:
@@ -322,7 +332,6 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
     import time
 
     from parallel.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
-    from parallel.hf_io import write_hf_checkpoint
     from parallel.layout import build_model_chunks, initialize_megatron
 
     start = time.monotonic()
@@ -333,12 +342,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
     _log(f"{ckpt_dir} (saved at {metadata['saved_layout']}) -> {out_dir} via tp={layout.tp} pp={layout.pp}")
     chunks = build_model_chunks(hf, layout)
     load_megatron_checkpoint(chunks, ckpt_dir)
-    stream = _matching_checksums(gather_hf_tensors(chunks, hf, layout), metadata.get("checksums") or {}, ckpt_dir)
-    if dist.get_rank() == 0:
-        write_hf_checkpoint(out_dir, hf_config_for_export(hf, torch.float32), stream)
-    else:
-        for _ in stream:
-            pass
+    export_hf_checkpoint(chunks, hf, layout, out_dir, metadata.get("checksums") or {}, ckpt_dir)
     dist.barrier()
     _log(f"wrote {out_dir} in {time.monotonic() - start:.1f} s")
     if verify:

@@ -18,20 +18,14 @@ from typing import Any, Mapping
 import torch.distributed as dist
 
 from parallel.hf_io import CheckpointError
-from parallel.layout import MegatronLayout
+from parallel.layout import MegatronLayout, unwrap_model
 
 METADATA_FILE = "megarl_checkpoint.json"
 FORMAT_VERSION = 1
 
 
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def _sharded_state_dict(chunks: list) -> dict:
-    return {f"chunk{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+    return {f"chunk{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
 def partial_dir(target: Path) -> Path:
@@ -89,7 +83,7 @@ def load_megatron_checkpoint(chunks: list, path: str | Path) -> dict:
     metadata = read_checkpoint_metadata(path)
     loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
     for i, chunk in enumerate(chunks):
-        missing, unexpected = _unwrap(chunk).load_state_dict(loaded[f"chunk{i}"], strict=False)
+        missing, unexpected = unwrap_model(chunk).load_state_dict(loaded[f"chunk{i}"], strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
         if missing or unexpected:
             raise CheckpointError(f"{path}: chunk {i} missing {missing}, unexpected {unexpected}")

@@ -262,3 +262,10 @@ def init_params_layout_independent(chunks: list, seed: int, vocab_size: int, std
                     param.copy_(torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]))
                 else:
                     param.copy_(full.chunk(tp_size, dim=param.partition_dim)[tp_rank])
+
+
+def unwrap_model(chunk):
+    """The GPTModel inside DDP/Float16 wrappers (wrappers prefix parameter names with 'module.')."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

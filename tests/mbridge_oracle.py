@@ -103,8 +103,8 @@ def compare_loads_and_exports(jobs: list[tuple[str, str, str, bool]], layouts: l
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from parallel.convert import gather_hf_tensors, hf_config_for_export, load_hf_into_chunks
-    from parallel.hf_io import HFCheckpoint, write_hf_checkpoint
+    from parallel.convert import export_hf_checkpoint, load_hf_into_chunks
+    from parallel.hf_io import HFCheckpoint
     from parallel.layout import build_model_chunks, initialize_megatron
 
     # mbridge writes no index for single-file checkpoints and says so; nothing is missing.
@@ -136,12 +136,7 @@ def compare_loads_and_exports(jobs: list[tuple[str, str, str, bool]], layouts: l
                     count += 1
                     if not torch.equal(param, params_b[param_name]):
                         mismatches.append(f"chunk {index} {param_name}")
-            stream = gather_hf_tensors(ours, ckpt.config, layout)
-            if dist.get_rank() == 0:
-                write_hf_checkpoint(f"{ours_dir}/{name}", hf_config_for_export(ckpt.config, torch.float32), stream)
-            else:
-                for _ in stream:
-                    pass
+            export_hf_checkpoint(ours, ckpt.config, layout, f"{ours_dir}/{name}")
             bridge.save_weights(theirs, f"{theirs_dir}/{name}")
             dist.barrier()
             per_model[hf_dir] = {"params": count, "mismatches": mismatches}

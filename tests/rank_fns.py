@@ -123,8 +123,8 @@ def convert_roundtrip(jobs, layout_kwargs, tokens):
     -> HF export at ``export_dir``. Returns the logits per job (last pipeline stage, else None)."""
     from megatron.core import parallel_state
 
-    from parallel.convert import gather_hf_tensors, hf_config_for_export, load_hf_into_chunks, megatron_logits
-    from parallel.hf_io import HFCheckpoint, write_hf_checkpoint
+    from parallel.convert import export_hf_checkpoint, load_hf_into_chunks, megatron_logits
+    from parallel.hf_io import HFCheckpoint
     from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
 
     layout = MegatronLayout(**layout_kwargs)
@@ -137,12 +137,7 @@ def convert_roundtrip(jobs, layout_kwargs, tokens):
             chunk.eval()
         load_hf_into_chunks(chunks, ckpt, layout)
         logits = megatron_logits(chunks, tokens)
-        stream = gather_hf_tensors(chunks, ckpt.config, layout)
-        if dist.get_rank() == 0:
-            write_hf_checkpoint(export_dir, hf_config_for_export(ckpt.config, torch.float32), stream)
-        else:
-            for _ in stream:
-                pass
+        export_hf_checkpoint(chunks, ckpt.config, layout, export_dir)
         results.append(None if logits is None else logits[..., : ckpt.config["vocab_size"]])
     parallel_state.destroy_model_parallel()
     return results
@@ -206,8 +201,8 @@ def train_one_step_then_reshard(hf_dir, layout_kwargs, rollout_tps, export_dir):
 
     from megarl.data.synthetic import arithmetic_sequence_batches
     from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
-    from parallel.convert import gather_hf_tensors, hf_config_for_export, load_hf_into_chunks
-    from parallel.hf_io import HFCheckpoint, write_hf_checkpoint
+    from parallel.convert import export_hf_checkpoint, load_hf_into_chunks
+    from parallel.hf_io import HFCheckpoint
     from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
     from parallel.plan import execute_plan, plan_megatron_to_sglang
 
@@ -220,12 +215,7 @@ def train_one_step_then_reshard(hf_dir, layout_kwargs, rollout_tps, export_dir):
     optimizer = build_optimizer(chunks, OptimConfig(lr=1e-2), layout)
     batches = arithmetic_sequence_batches(ckpt.config["vocab_size"], 2, 2, 16, seed=9)
     train_step(chunks, optimizer, batches, 16)
-    stream = gather_hf_tensors(chunks, ckpt.config, layout)
-    if dist.get_rank() == 0:
-        write_hf_checkpoint(export_dir, hf_config_for_export(ckpt.config, torch.float32), stream)
-    else:
-        for _ in stream:
-            pass
+    export_hf_checkpoint(chunks, ckpt.config, layout, export_dir)
     device = dist.get_rank()
     sources = {(i, name): p.data for i, chunk in enumerate(chunks) for name, p in chunk.module.named_parameters()}
     buffers = {}

@@ -6,7 +6,7 @@ Every parameter is compared; none is skipped."""
 import pytest
 import torch
 
-from model_specs.presets import hf_config_dict, save_tiny_hf_model
+from model_specs.presets import save_tiny_hf_model
 from parallel.hf_io import HFCheckpoint
 from parallel.layout import MegatronLayout
 from parallel.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang

@@ -76,8 +76,8 @@ def in_memory_rank(hf_dir: str, out_base: str, layout_kwargs: dict, repeats: int
     import torch
     import torch.distributed as dist
 
-    from parallel.convert import gather_hf_tensors, hf_config_for_export, load_hf_into_chunks
-    from parallel.hf_io import HFCheckpoint, write_hf_checkpoint
+    from parallel.convert import export_hf_checkpoint, load_hf_into_chunks
+    from parallel.hf_io import HFCheckpoint
     from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
     from tests.mbridge_oracle import local_spec_bridge
 
@@ -109,12 +109,7 @@ def in_memory_rank(hf_dir: str, out_base: str, layout_kwargs: dict, repeats: int
             state["bridge"].load_weights(theirs, hf_dir)
 
     def megarl_export(target):
-        stream = gather_hf_tensors(ours, config, layout)
-        if rank0:
-            write_hf_checkpoint(target, hf_config_for_export(config, torch.float32), stream)
-        else:
-            for _ in stream:
-                pass
+        export_hf_checkpoint(ours, config, layout, target)
 
     identical = True
     for repeat in range(repeats):

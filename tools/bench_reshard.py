@@ -67,7 +67,6 @@ def run_case(hf: dict, name: str, layout: MegatronLayout, world: int, rollout_tp
     flat_src = torch.ones(total // element, dtype=dtype)
     flat_dst = torch.zeros_like(flat_src)
     copy_s = best_of(repeats, lambda: flat_dst.copy_(flat_src))
-    del sources, buffers, flat_src, flat_dst
     print(f"{line}  execute {exec_s:6.3f} s = {total / exec_s / 1e9:5.2f} GB/s  plain copy "
           f"{total / copy_s / 1e9:5.2f} GB/s  ratio {copy_s / exec_s:5.2f}", flush=True)
 
