@@ -187,6 +187,17 @@ def _undo_context_parallel_split(local: torch.Tensor, positions: torch.Tensor) -
     return full
 
 
+def prompt_logits(chunks: list, prompt: torch.Tensor) -> torch.Tensor | None:
+    """Logits [1, seq, vocab] of one prompt ([1, seq]) at any layout (last pipeline stage, else
+    None): the interleaved schedule needs one micro-batch per pipeline stage, so the prompt is
+    repeated that many times and the first copy kept."""
+    from megatron.core import parallel_state
+
+    copies = parallel_state.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    logits = megatron_logits(chunks, prompt.expand(copies, -1).contiguous())
+    return None if logits is None else logits[:1]
+
+
 def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
     """Full-vocab (padded) logits [batch, seq, vocab] of ``tokens`` through megatron's forward-only
     schedule at any TP/PP/VPP/CP layout; returned on the last pipeline stage, None elsewhere."""
@@ -276,11 +287,7 @@ def logit_probe(chunks: list, hf_dir: str, max_params: float = 2e9, atol: float 
     n_params = sum(torch.Size(hf.shape(name)).numel() for name in hf.names)
     if n_params > max_params:
         return f"logit probe skipped: {n_params / 1e9:.1f}B parameters exceed the CPU probe limit {max_params / 1e9:.1f}B"
-    from megatron.core import parallel_state
-
-    # The interleaved schedule needs one micro-batch per pipeline stage: repeat the prompt.
-    copies = parallel_state.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
-    logits = megatron_logits(chunks, tokens.expand(copies, -1).contiguous())
+    logits = prompt_logits(chunks, tokens)
     result = torch.tensor([0.0, 0.0], dtype=torch.float64)  # [max diff, reported]
     if logits is not None and dist.get_rank() == dist.get_world_size() - 1:
         from transformers import AutoModelForCausalLM
@@ -288,7 +295,7 @@ def logit_probe(chunks: list, hf_dir: str, max_params: float = 2e9, atol: float 
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             reference = model(tokens).logits
-        diff = (logits[:1, :, :vocab].float() - reference).abs().max()
+        diff = (logits[..., :vocab].float() - reference).abs().max()
         result = torch.tensor([float(diff), 1.0], dtype=torch.float64)
     dist.all_reduce(result)
     if result[0] > atol:

@@ -67,19 +67,19 @@ class Plan:
 
     def check(self) -> None:
         """Every destination element written exactly once, in bounds, extents equal."""
-        written: dict[tuple[int, str], int] = defaultdict(int)
+        boxes_of: dict[tuple[int, str], list[Box]] = defaultdict(list)  # grouped once, not per tensor
         for copy in self.copies:
             if [b - a for a, b in copy.src_box] != [b - a for a, b in copy.dst_box]:
                 raise ValueError(f"copy {copy} has different source and destination extents")
-            written[(copy.dst, copy.dst_key)] += box_volume(copy.dst_box)
+            boxes_of[(copy.dst, copy.dst_key)].append(copy.dst_box)
         for fill in self.zero_fills:
-            written[(fill.dst, fill.dst_key)] += box_volume(fill.dst_box)
+            boxes_of[(fill.dst, fill.dst_key)].append(fill.dst_box)
         for device, tensors in self.destinations.items():
             for name, tensor in tensors.items():
-                boxes = [c.dst_box for c in self.copies if c.dst == device and c.dst_key == name]
-                boxes += [f.dst_box for f in self.zero_fills if f.dst == device and f.dst_key == name]
-                if written[(device, name)] != math.prod(tensor.shape):
-                    raise ValueError(f"device {device} {name}: {written[(device, name)]} of "
+                boxes = boxes_of[(device, name)]
+                written = sum(box_volume(box) for box in boxes)
+                if written != math.prod(tensor.shape):
+                    raise ValueError(f"device {device} {name}: {written} of "
                                      f"{math.prod(tensor.shape)} elements written")
                 for i, a in enumerate(boxes):
                     if any(not 0 <= lo < hi <= n for (lo, hi), n in zip(a, tensor.shape)):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.convert import PROBE_TOKENS, gather_hf_tensors, megatron_logits
+from parallel.convert import PROBE_TOKENS, gather_hf_tensors, prompt_logits
 from parallel.dist_ckpt import METADATA_FILE, load_megatron_checkpoint, read_checkpoint_metadata
 from parallel.hf_io import CHECKSUMS_FILE, CheckpointError, HFCheckpoint, tensor_checksum
 from parallel.layout import MegatronLayout, build_model_chunks
@@ -55,11 +55,8 @@ class _Side:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Logits on ``tokens`` on the last rank (None elsewhere)."""
         if self.is_megatron:
-            from megatron.core import parallel_state
-
-            copies = parallel_state.get_pipeline_model_parallel_world_size() if len(self.chunks) > 1 else 1
-            logits = megatron_logits(self.chunks, tokens.expand(copies, -1).contiguous())
-            return None if logits is None else logits[:1, :, : self.config["vocab_size"]].float()
+            logits = prompt_logits(self.chunks, tokens)
+            return None if logits is None else logits[..., : self.config["vocab_size"]].float()
         if dist.get_rank() != dist.get_world_size() - 1:
             return None
         from transformers import AutoModelForCausalLM
