@@ -169,22 +169,43 @@ def hf_config_for_export(hf: Mapping[str, Any], dtype: torch.dtype) -> dict:
     return config
 
 
-def _undo_context_parallel_split(local: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[b, s/cp, ...] per-rank values -> [b, s, ...] in global token order (identity at CP=1)."""
+class _GatherContextParallel(torch.autograd.Function):
+    """All-gather per-token values over the CP group into global token order. Backward keeps this
+    rank's own positions: the caller computes the same loss on every CP rank from the gathered
+    values, and megatron's schedule and DDP already account for the CP replicas."""
+
+    @staticmethod
+    def forward(ctx, local, positions):
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+        cp = parallel_state.get_context_parallel_world_size()
+        values = [torch.empty_like(local) for _ in range(cp)]
+        where = [torch.empty_like(positions) for _ in range(cp)]
+        dist.all_gather(values, local.contiguous(), group=group)
+        dist.all_gather(where, positions.contiguous(), group=group)
+        values, where = torch.cat(values, dim=1), torch.cat(where, dim=1)
+        index = where.reshape(*where.shape, *([1] * (values.dim() - 2))).expand_as(values)
+        ctx.save_for_backward(positions)
+        ctx.trailing = values.dim() - 2
+        return torch.empty_like(values).scatter_(1, index, values)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (positions,) = ctx.saved_tensors
+        index = positions.reshape(*positions.shape, *([1] * ctx.trailing)).expand(
+            *positions.shape, *grad.shape[2:])
+        return grad.gather(1, index), None
+
+
+def undo_context_parallel_split(local: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[b, s/cp, ...] per-rank values -> [b, s, ...] in global token order (identity at CP=1).
+    ``positions`` [b, s/cp] are the global positions of the local tokens. Differentiable."""
     from megatron.core import parallel_state
 
-    cp = parallel_state.get_context_parallel_world_size()
-    if cp == 1:
+    if parallel_state.get_context_parallel_world_size() == 1:
         return local
-    group = parallel_state.get_context_parallel_group()
-    values = [torch.empty_like(local) for _ in range(cp)]
-    where = [torch.empty_like(positions) for _ in range(cp)]
-    dist.all_gather(values, local.contiguous(), group=group)
-    dist.all_gather(where, positions.contiguous(), group=group)
-    values, where = torch.cat(values, dim=1), torch.cat(where, dim=1)
-    full = torch.empty_like(values)
-    full.scatter_(1, where.unsqueeze(-1).expand_as(values), values)
-    return full
+    return _GatherContextParallel.apply(local, positions)
 
 
 def prompt_logits(chunks: list, prompt: torch.Tensor) -> torch.Tensor | None:
@@ -214,7 +235,7 @@ def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
 
         def keep(output_tensor):
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(output_tensor)
-            collected.append(_undo_context_parallel_split(logits, local["position_ids"]))
+            collected.append(undo_context_parallel_split(logits, local["position_ids"]))
             return output_tensor.sum() * 0.0, {}
 
         return output, keep

@@ -4,27 +4,12 @@ import io
 
 import pytest
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
-CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 +-*=?.,:;!<>/\n'\"#_{}|\\$()[]^%"
-
-
 @pytest.fixture(scope="session")
 def char_tokenizer():
     """A character-level HF fast tokenizer with a simple chat template."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from model_specs.tokenizer import char_tokenizer as build
 
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    for ch in CHARS:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    hf.chat_template = CHAT_TEMPLATE
-    return hf
+    return build()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,1 @@
+"""Per-rank workers of a run: Megatron models (actor, reference, critic) and rollout engines."""

@@ -1,0 +1,89 @@
+"""How a rollout batch travels to the Megatron workers and is cut into micro-batches.
+
+A batch is a dict of tensors over ``B`` samples:
+
+- ``input_ids`` ``[B, T]``: prompt then response, right-padded (padding never influences the
+  real tokens: attention is causal);
+- ``prompt_lengths`` / ``response_lengths`` ``[B]``;
+- response-shaped ``[B, R]`` fields (``R`` = the longest response), aligned with response
+  token ``j`` of each sample: ``advantages``, ``old_logp``, ``ref_logp``, ``rollout_logp``,
+  ``returns``, ``old_values`` (each optional, as the step needs).
+
+Every rank of a data-parallel replica gets the same rows; which rows a replica gets and how they
+form micro-batches is a pure function of the batch and the layout, so every rank computes it
+itself and no rank waits for another to tell it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+RESPONSE_FIELDS = ("advantages", "old_logp", "ref_logp", "rollout_logp", "returns", "old_values")
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How rows become micro-batches: ``micro_batch_size`` rows each, or a token budget."""
+
+    micro_batch_size: int = 1
+    max_tokens: int | None = None
+
+
+def sequence_lengths(batch: dict) -> torch.Tensor:
+    return batch["prompt_lengths"] + batch["response_lengths"]
+
+
+def response_mask(batch: dict) -> torch.Tensor:
+    """``[B, R]`` float mask of real response tokens."""
+    width = int(batch["response_lengths"].max()) if len(batch["response_lengths"]) else 0
+    return (torch.arange(width).unsqueeze(0) < batch["response_lengths"].unsqueeze(1)).float()
+
+
+def data_parallel_rows(batch: dict, dp_size: int, batching: MicroBatching) -> list[list[list[int]]]:
+    """``plan[dp_rank][micro_batch] -> row indices``: contiguous shares cut into micro-batches of
+    ``micro_batch_size``, or token-budget micro-batches balanced over the replicas."""
+    from megarl.data.micro_batching import balanced_micro_batches
+
+    rows = int(batch["input_ids"].shape[0])
+    if rows < dp_size:
+        raise ValueError(f"a batch of {rows} samples cannot feed {dp_size} data-parallel replicas; "
+                         "raise data.batch_size * rollout.n (or the mini-batch size) to at least that")
+    if batching.max_tokens is not None:
+        return balanced_micro_batches(sequence_lengths(batch).tolist(), batching.max_tokens, dp_size)
+    shares = [share.tolist() for share in torch.arange(rows).tensor_split(dp_size)]
+    size = batching.micro_batch_size
+    plan = [[share[i:i + size] for i in range(0, len(share), size)] for share in shares]
+    # Every replica runs the same number of micro-batches (an empty one is all padding).
+    most = max(len(p) for p in plan)
+    return [p + [[] for _ in range(most - len(p))] for p in plan]
+
+
+def make_micro_batch(batch: dict, rows: list[int], length: int, num_rows: int) -> dict:
+    """Rows ``rows`` of ``batch`` as one micro-batch of ``num_rows`` rows and ``length`` tokens
+    (filler rows and positions are padding with no response), plus the index that picks each
+    response token's predicting position out of per-token outputs."""
+    width = response_mask(batch).shape[1]
+    tokens = torch.zeros(num_rows, length, dtype=torch.long)
+    gather = torch.zeros(num_rows, width, dtype=torch.long)
+    mask = torch.zeros(num_rows, width)
+    fields = {k: torch.zeros(num_rows, width) for k in RESPONSE_FIELDS if k in batch}
+    for slot, row in enumerate(rows):
+        total = int(sequence_lengths(batch)[row])
+        prompt, response = int(batch["prompt_lengths"][row]), int(batch["response_lengths"][row])
+        tokens[slot, :total] = batch["input_ids"][row, :total]
+        # Response token j sits at position prompt + j; the logits that predict it at prompt + j - 1.
+        gather[slot, :response] = torch.arange(prompt - 1, prompt - 1 + response)
+        mask[slot, :response] = 1.0
+        for key, value in fields.items():
+            value[slot] = batch[key][row, :width].float()
+    targets = torch.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    return {"tokens": tokens, "targets": targets, "gather_index": gather, "response_mask": mask,
+            "rows": torch.tensor(list(rows) + [-1] * (num_rows - len(rows))), **fields}
+
+
+def padded_length(length: int, multiple: int) -> int:
+    return max(multiple, math.ceil(length / multiple) * multiple)

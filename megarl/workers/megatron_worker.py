@@ -1,0 +1,382 @@
+"""One rank of the Megatron models of a run: actor (trained policy), reference, critic.
+
+A ``MegatronWorker`` lives in its own process (a Ray actor in a run, a spawned rank in tests) and
+joins torch.distributed with its peers; every public method is called on all ranks in lockstep.
+The models of one worker share megatron's process groups, hence one layout: the reference and
+critic live next to the actor (the hybrid placement), which costs no extra processes.
+
+Log-probs, entropies and values are computed on the last pipeline stage from vocab-parallel
+logits (``parallel.vocab_parallel``), gathered over context parallelism, and returned by one
+rank per data-parallel replica (last stage, TP rank 0, CP rank 0); the others return None.
+Losses are scaled so that the gradient equals that of the loss aggregated over the WHOLE
+mini-batch (``loss_agg_mode``), whatever the data-parallel size and micro-batch split: the
+layout never changes the update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from megarl.workers.batch import MicroBatching, data_parallel_rows, make_micro_batch, padded_length, response_mask
+
+ROLES = ("actor", "ref", "critic")
+
+
+@dataclasses.dataclass
+class LossSettings:
+    """The actor's (or critic's) loss: what ``actor`` / ``critic`` config sections say."""
+
+    policy_loss: str = "ppo"
+    loss_agg_mode: str = "token-mean"
+    max_len: int | None = None  # constant L of seq-mean-token-sum-norm (rollout.max_new_tokens)
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float | None = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # > 0: KL-to-reference loss term (needs ref_logp in the batch)
+    kl_estimator: str = "k3"
+    kl_clamp: float | None = 10.0
+    value_clip: float | None = None  # critic
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """What to build for one role on every rank."""
+
+    role: str
+    hf_dir: str  # the initial weights (HF safetensors)
+    layout: Any  # parallel.layout.MegatronLayout
+    batching: MicroBatching = dataclasses.field(default_factory=MicroBatching)
+    optim: Any = None  # megarl.config.schema.OptimSettings; None = frozen (reference)
+    total_optimizer_steps: int = 1  # for the learning-rate schedule
+    loss: LossSettings = dataclasses.field(default_factory=LossSettings)
+    dtype: str = "float32"
+
+
+def learning_rate(optim, step: int, total_steps: int) -> float:
+    """``optim.lr`` after ``step`` optimizer steps: linear warm-up, then constant/linear/cosine
+    decay towards ``optim.min_lr`` at ``total_steps``."""
+    import math
+
+    if step < optim.lr_warmup_steps:
+        return optim.lr * (step + 1) / optim.lr_warmup_steps
+    if optim.lr_schedule == "constant":
+        return optim.lr
+    span = max(1, total_steps - optim.lr_warmup_steps)
+    progress = min(1.0, (step - optim.lr_warmup_steps) / span)
+    factor = 1.0 - progress if optim.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return optim.min_lr + (optim.lr - optim.min_lr) * factor
+
+
+class _Model:
+    """One role's chunks on this rank (+ optimizer when trained)."""
+
+    def __init__(self, spec: ModelSpec, chunks: list, optimizer, hf_config: dict):
+        self.spec, self.chunks, self.optimizer, self.hf_config = spec, chunks, optimizer, hf_config
+        self.optimizer_steps = 0
+
+    @property
+    def modules(self) -> list:
+        from parallel.layout import unwrap_model
+
+        return [unwrap_model(chunk) for chunk in self.chunks]
+
+
+class MegatronWorker:
+    """A rank: joins torch.distributed at construction; ``setup`` builds models."""
+
+    def __init__(self, rank: int | None = None, world_size: int | None = None, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, threads: int | None = None, timeout_s: float = 600.0):
+        """Join torch.distributed as ``rank`` of ``world_size`` (unless this process already has)."""
+        import torch.distributed as dist
+
+        from parallel import cpu_compat
+
+        if threads:
+            torch.set_num_threads(threads)
+        cpu_mode = cpu_compat.apply()
+        if not dist.is_initialized():
+            os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                              WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+            dist.init_process_group(backend="gloo" if cpu_mode else "nccl",
+                                    init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                    world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.models: dict[str, _Model] = {}
+        self.layout = None
+
+    # ------------------------------------------------------------------ building
+
+    def setup(self, spec: ModelSpec, seed: int) -> dict:
+        """Build ``spec.role``'s model from ``spec.hf_dir`` (and its optimizer when trained)."""
+        from megatron.core import parallel_state
+
+        from megarl.training import OptimConfig, build_optimizer, wrap_ddp
+        from model_specs.base import dtype_from_name
+        from parallel.convert import load_hf_into_chunks
+        from parallel.hf_io import HFCheckpoint
+        from parallel.layout import build_model_chunks, initialize_megatron
+
+        if spec.role not in ROLES:
+            raise ValueError(f"unknown role {spec.role!r}; roles: {list(ROLES)}")
+        if self.layout is None:
+            initialize_megatron(spec.layout, seed=seed)
+            self.layout = spec.layout
+        elif spec.layout != self.layout:
+            raise ValueError(f"{spec.role} layout {spec.layout} differs from this worker's {self.layout}; "
+                             "models sharing a worker share its layout")
+        ckpt = HFCheckpoint(spec.hf_dir)
+        dtype = dtype_from_name(spec.dtype)
+        if spec.role == "critic":
+            from parallel.value_head import build_value_model_chunks, load_hf_into_value_chunks
+
+            chunks = build_value_model_chunks(ckpt.config, spec.layout, params_dtype=dtype)
+            load_hf_into_value_chunks(chunks, ckpt, spec.layout)
+        else:
+            chunks = build_model_chunks(ckpt.config, spec.layout, params_dtype=dtype)
+            load_hf_into_chunks(chunks, ckpt, spec.layout)
+        optimizer = None
+        if spec.optim is not None:
+            chunks = wrap_ddp(chunks, spec.layout)
+            optimizer = build_optimizer(chunks, spec.optim.to_optim_config(), spec.layout)
+        else:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+        self.models[spec.role] = _Model(spec, chunks, optimizer, dict(ckpt.config))
+        return {
+            "rank": self.rank,
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "output_rank": self._is_output_rank(),
+        }
+
+    @staticmethod
+    def _is_output_rank() -> bool:
+        from megatron.core import parallel_state
+
+        return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_context_parallel_rank() == 0)
+
+    # ------------------------------------------------------------------ forward / update
+
+    def _micro_batches(self, model: _Model, batch: dict) -> list[dict]:
+        """This replica's micro-batches (see ``megarl.workers.batch``), padded to the shapes
+        megatron needs: one common length and row count under pipelining (its p2p buffers are
+        fixed), a length divisible by 2*CP (zig-zag) and by TP under sequence parallelism, and a
+        micro-batch count divisible by PP for the interleaved schedule."""
+        from megatron.core import parallel_state
+
+        layout = model.spec.layout
+        dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        plan = data_parallel_rows(batch, dp_size, model.spec.batching)
+        multiple = (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sequence_parallel else 1)
+        lengths = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
+        pipelined = layout.pp > 1
+        longest_all = max(lengths)
+        most_rows = max(len(rows) for share in plan for rows in share)
+        mine = plan[dp_rank]
+        if layout.vpp and len(mine) % layout.pp:
+            mine = mine + [[] for _ in range(layout.pp - len(mine) % layout.pp)]
+        micro = []
+        for rows in mine:
+            longest = longest_all if pipelined else max([lengths[r] for r in rows] or [1])
+            num_rows = most_rows if pipelined else max(len(rows), 1)
+            micro.append(make_micro_batch(batch, rows, padded_length(longest, multiple), num_rows))
+        return micro
+
+    def _run(self, model: _Model, micro: list[dict], loss_of: Callable, forward_only: bool) -> list[dict]:
+        """megatron's forward(-backward) schedule over ``micro``; ``loss_of(micro_batch, logits_or_values)``
+        returns (loss, stats dict) on the last stage. Returns the stats of every micro-batch."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from parallel.context_parallel import split_for_context_parallel
+
+        def forward_step(data_iterator, module):
+            mb = next(data_iterator)
+            positions = torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"])
+            local = split_for_context_parallel({"tokens": mb["tokens"], "targets": mb["targets"],
+                                                "position_ids": positions})
+            output = module(local["tokens"], local["position_ids"], attention_mask=None)
+            return output, lambda out: loss_of(mb, local, out)
+
+        chunks = model.chunks
+        for chunk in chunks:
+            chunk.train(not forward_only)
+        iterators = [iter(micro) for _ in chunks]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro), seq_length=micro[0]["tokens"].shape[1],
+            micro_batch_size=micro[0]["tokens"].shape[0], forward_only=forward_only,
+        )
+
+    def _token_outputs(self, model: _Model, mb: dict, local: dict, output: torch.Tensor,
+                       with_entropy: bool) -> dict[str, torch.Tensor]:
+        """Response-shaped ``[rows, R]`` log-probs/entropy (LM) or values (critic) of a micro-batch."""
+        from parallel.convert import undo_context_parallel_split
+        from parallel.vocab_parallel import vocab_parallel_log_probs
+
+        if model.spec.role == "critic":
+            per_token = {"values": undo_context_parallel_split(output.squeeze(-1), local["position_ids"])}
+        else:
+            logp, entropy = vocab_parallel_log_probs(output, local["targets"], model.hf_config["vocab_size"],
+                                                     with_entropy=with_entropy)
+            per_token = {"logp": undo_context_parallel_split(logp, local["position_ids"])}
+            if entropy is not None:
+                per_token["entropy"] = undo_context_parallel_split(entropy, local["position_ids"])
+        return {key: value.gather(1, mb["gather_index"]) for key, value in per_token.items()}
+
+    @torch.no_grad()
+    def forward(self, role: str, batch: dict, with_entropy: bool = False) -> dict | None:
+        """Per-response-token log-probs (``logp``, ``entropy``) or values (critic) of every row of
+        ``batch``; returned by this replica's output rank as {"rows", <field>: [n, R]}, else None."""
+        model = self.models[role]
+        micro = self._micro_batches(model, batch)
+
+        def loss_of(mb, local, output):
+            outputs = self._token_outputs(model, mb, local, output, with_entropy)
+            return output.sum() * 0.0, {"rows": mb["rows"], **outputs}
+
+        collected = self._run(model, micro, loss_of, forward_only=True)
+        if not self._is_output_rank():
+            return None
+        rows = torch.cat([item["rows"] for item in collected])
+        real = rows >= 0
+        return {key: torch.cat([item[key] for item in collected])[real] for key in collected[0]}
+
+    def update(self, role: str, batch: dict, global_counts: dict[str, float]) -> dict[str, float]:
+        """One optimizer step of ``role`` ("actor" or "critic") on ``batch`` (this mini-batch,
+        the same on every rank). ``global_counts`` = {"tokens", "sequences"} of the mini-batch,
+        the denominators of the loss aggregation. Returns metrics (on every rank)."""
+        from megatron.core import parallel_state
+
+        model = self.models[role]
+        if model.optimizer is None:
+            raise ValueError(f"{role} is frozen (built without optimizer settings)")
+        lr = learning_rate(model.spec.optim, model.optimizer_steps, model.spec.total_optimizer_steps)
+        for group in model.optimizer.param_groups:
+            group["lr"] = lr
+        micro = self._micro_batches(model, batch)
+        scale = len(micro) * parallel_state.get_data_parallel_world_size()
+        loss_fn = self._critic_loss if role == "critic" else self._actor_loss
+
+        def loss_of(mb, local, output):
+            outputs = self._token_outputs(model, mb, local, output, with_entropy=role == "actor")
+            weight = _share(model.spec.loss.loss_agg_mode, mb["response_mask"], global_counts)
+            loss, stats = loss_fn(model.spec.loss, mb, outputs)
+            weighted = {key: float(value) * weight for key, value in stats.items()}
+            return loss * weight * scale, {"weighted": weighted, "weight": weight}
+
+        for chunk in model.chunks:
+            chunk.zero_grad_buffer()
+        model.optimizer.zero_grad()
+        collected = self._run(model, micro, loss_of, forward_only=False)
+        update_successful, grad_norm, _ = model.optimizer.step()
+        model.optimizer_steps += 1
+        metrics = _reduce_weighted(collected)
+        metrics.update({"grad_norm": float(grad_norm or 0.0), "lr": lr, "update_ok": float(bool(update_successful))})
+        return {f"{role}/{key}": value for key, value in metrics.items()}
+
+    @staticmethod
+    def _actor_loss(settings: LossSettings, mb: dict, outputs: dict) -> tuple[torch.Tensor, dict]:
+        from megarl.algorithms import agg_loss, get_policy_loss, kl_loss, masked_mean
+
+        mask = mb["response_mask"]
+        logp = outputs["logp"]
+        loss_fn = get_policy_loss(settings.policy_loss)
+        options = dict(loss_agg_mode=settings.loss_agg_mode, max_len=settings.max_len,
+                       clip_low=settings.clip_ratio_low, clip_high=settings.clip_ratio_high,
+                       clip_ratio_c=settings.clip_ratio_c)
+        accepted = inspect.signature(loss_fn).parameters
+        old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
+        loss, stats = loss_fn(logp=logp, old_logp=old_logp, advantages=mb["advantages"], response_mask=mask,
+                              **{k: v for k, v in options.items() if k in accepted and v is not None})
+        stats = {key: value.detach() for key, value in stats.items()}
+        entropy = agg_loss(outputs["entropy"], mask, settings.loss_agg_mode, settings.max_len)
+        stats["entropy"] = entropy.detach()
+        if settings.entropy_coef:
+            loss = loss - settings.entropy_coef * entropy
+        if settings.kl_coef:
+            kl, kl_stats = kl_loss(logp, mb["ref_logp"], mask, settings.kl_estimator, settings.loss_agg_mode,
+                                   settings.max_len, clamp=settings.kl_clamp)
+            loss = loss + settings.kl_coef * kl
+            stats.update({key: value.detach() for key, value in kl_stats.items()})
+        if "rollout_logp" in mb:  # how far the trainer's log-probs are from the engine's
+            gap = torch.exp((logp.detach() - mb["rollout_logp"]).abs())
+            stats["rollout_logp_gap"] = masked_mean(gap, mask)
+        stats["loss"] = loss.detach()
+        return loss, stats
+
+    @staticmethod
+    def _critic_loss(settings: LossSettings, mb: dict, outputs: dict) -> tuple[torch.Tensor, dict]:
+        from megarl.algorithms import value_loss
+
+        loss, stats = value_loss(values=outputs["values"], old_values=mb["old_values"], returns=mb["returns"],
+                                 response_mask=mb["response_mask"], clip_range_value=settings.value_clip,
+                                 loss_agg_mode=settings.loss_agg_mode, max_len=settings.max_len)
+        return loss, {key: value.detach() for key, value in stats.items()}
+
+    # ------------------------------------------------------------------ weight sync
+
+    def rollout_shards(self, plan) -> dict[str, torch.Tensor] | None:
+        """Run this rank's part of the actor -> SGLang resharding ``plan``; returns the SGLang
+        tensors of the engine rank that lives on this device (None if none does)."""
+        import torch.distributed as dist
+
+        from parallel.plan import execute_plan
+
+        device = dist.get_rank()
+        modules = self.models["actor"].modules
+        sources = {(i, name): p.data for i, module in enumerate(modules) for name, p in module.named_parameters()}
+        wanted = plan.destinations.get(device, {})
+        dtype = next(iter(sources.values())).dtype
+        buffers = {name: torch.empty(t.shape, dtype=dtype) for name, t in wanted.items()}
+        execute_plan(plan, device, sources, buffers)
+        return buffers or None
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _share(mode: str, mask: torch.Tensor, counts: dict[str, float]) -> float:
+    """This micro-batch's share of the mini-batch's aggregated loss: its tokens over all tokens
+    (token-mean), else its non-empty sequences over all non-empty sequences (seq-mean-*)."""
+    if mode == "token-mean":
+        return float(mask.sum()) / max(counts["tokens"], 1.0)
+    return float((mask.sum(-1) > 0).sum()) / max(counts["sequences"], 1.0)
+
+
+def _reduce_weighted(collected: list[dict]) -> dict[str, float]:
+    """Mini-batch means of the per-micro-batch stats (weights sum to 1 over all replicas),
+    summed over data parallelism and shared from the last pipeline stage with every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    names = sorted({key for item in collected for key in item["weighted"]})
+    local = torch.tensor([sum(item["weighted"].get(name, 0.0) for item in collected) for name in names],
+                         dtype=torch.float64)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    if not last:
+        local = torch.zeros(0, dtype=torch.float64)
+    # Names travel with the values: stages other than the last do not know them.
+    shared = [None]
+    if last:
+        dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+        shared = [dict(zip(names, local.tolist()))]
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+    dist.broadcast_object_list(shared, src=last_rank, group=pp_group)
+    return shared[0]
