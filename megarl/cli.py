@@ -51,6 +51,37 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    """Run PPO/GRPO as configured: validate everything first, then Ray, workers, engines, steps."""
+    from megarl.config import ConfigError, load_config, save_resolved
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as error:
+        for line in error.problems:
+            print(f"megarl train: config error: {line}", file=sys.stderr)
+        return 2
+    from megarl.trainer import RunError, Trainer
+
+    save_resolved(config, config.trainer.output_dir)
+    trainer = None
+    try:
+        trainer = Trainer(config)
+        history = trainer.fit()
+        if trainer.step >= config.trainer.total_steps and not args.no_export:
+            print(f"megarl train: exported the actor to {trainer.export_hf()}", flush=True)
+    except RunError as error:
+        print(f"megarl train: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+    if len(history) >= 2:
+        first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
+        print(f"megarl train: reward {first:.3f} (step {history[0]['step']}) -> {last:.3f} (step {history[-1]['step']})")
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     """Convert HF safetensors <-> Megatron distributed checkpoints at any TP/PP/VPP layout."""
     import os
@@ -135,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="do not require data files and the resume checkpoint to exist on this machine")
     # Overrides may also follow the options (argparse alone stops a nargs="*" list at the first option).
     check.set_defaults(func=_check_config, trailing_positionals="overrides")
+
+    train = sub.add_parser("train", help=_train.__doc__)
+    train.add_argument("config", help="run config YAML (e.g. configs/quickstart_grpo.yaml)")
+    train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=5")
+    train.add_argument("--no-export", action="store_true", help="do not write the final actor as HF")
+    train.set_defaults(func=_train, trailing_positionals="overrides")
 
     convert = sub.add_parser("convert", help=_convert.__doc__, description=_convert.__doc__ + (
         " Runs tp*pp local ranks, or one rank per process under torchrun/srun (WORLD_SIZE/RANK set). "

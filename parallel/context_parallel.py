@@ -23,8 +23,13 @@ That is fine for tests and moderate lengths; long contexts want ring attention (
 cp_comm_type: K/V blocks circulate and a rank never holds all of them). On GPUs with Transformer
 Engine installed, use TE's attention instead (see parallel.layout.layer_spec).
 
-Packing (THD, cu_seqlens) is not supported yet; ``allowed_keys`` takes positions of any leading
-shape, so per-token segment ids (attend only within the same sequence) can be added there.
+Packed sequences (megatron's "thd" format, ``PackedSeqParams`` with cu_seqlens; built by
+``parallel.packing``): several sequences share one row, each query attends causally within its own
+sequence only. Attention is computed per sequence (sum of L_i^2 scores, not T^2 for the row); with
+CP each sequence is zig-zag split on its own (TE's thd layout, which megatron's thd RoPE assumes),
+so every sequence's padded length must be a multiple of 2*CP. Megatron's local
+DotProductAttention refuses packed_seq_params, so ``layer_spec(..., packed_sequences=True)`` uses
+this module at CP=1 too.
 """
 
 from __future__ import annotations
@@ -65,19 +70,52 @@ def token_positions(local_len: int, cp_size: int, cp_rank: int, split: str = "zi
     "zigzag": chunks r and 2*cp-1-r of 2*cp (megatron's get_batch_on_this_cp_rank);
     "contiguous": the r-th of cp equal slices.
     """
-    if split == "contiguous":
+    if split not in _SPLITS:
+        raise ValueError(f"split={split!r}: need one of {_SPLITS}")
+    if split == "contiguous" or cp_size == 1:
         return torch.arange(cp_rank * local_len, (cp_rank + 1) * local_len)
-    if split != "zigzag" or local_len % 2:
-        raise ValueError(f"split={split!r} with local length {local_len}: need one of {_SPLITS} and an even length")
+    if local_len % 2:
+        raise ValueError(f"zigzag split of local length {local_len}: needs an even one (sequence a multiple of 2*cp)")
     chunk = local_len // 2
     first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
+def packed_token_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Row positions of the tokens CP rank ``cp_rank`` holds of a packed row whose sequences'
+    (padded) boundaries are ``cu_seqlens``: each sequence is zig-zag split on its own (chunks r and
+    2*cp-1-r of its 2*cp), sequences in row order, as TE's thd split and megatron's thd RoPE lay
+    them out. All positions at CP=1."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if cp_size == 1:
+        return torch.arange(bounds[-1])
+    parts = []
+    for index, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if (end - start) % (2 * cp_size):
+            raise ValueError(
+                f"packed sequence {index} occupies {end - start} tokens, not a multiple of 2*cp={2 * cp_size} "
+                f"(per-sequence zig-zag split); pack with pad_to_multiple={2 * cp_size}"
+            )
+        parts.append(start + token_positions((end - start) // cp_size, cp_size, cp_rank))
+    return torch.cat(parts)
+
+
 def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
     """Causal mask on global positions: True where query i may attend key j (key_pos <= query_pos).
-    Positions are [..., s]; a same-segment condition for packed sequences belongs here."""
+    Positions are [..., s]. Packed sequences never meet here: attention runs per sequence."""
     return key_pos.unsqueeze(-2) <= query_pos.unsqueeze(-1)
+
+
+def _causal_attention(query, key, value, query_pos, key_pos, softmax_scale, dropout):
+    """Queries [sq, b, np, hn] over keys/values [sk, b, np, hn], masked on positions -> [sq, b, np*hn]."""
+    # [b, np, sq, hn] @ [b, np, hn, sk] -> scores [b, np, sq, sk]
+    scores = torch.matmul(query.permute(1, 2, 0, 3), key.permute(1, 2, 3, 0)) * softmax_scale
+    scores = scores.float().masked_fill(~allowed_keys(query_pos, key_pos), torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    if dropout is not None:
+        probs = dropout(probs)
+    context = torch.matmul(probs, value.permute(1, 2, 0, 3))  # [b, np, sq, hn]
+    return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
 def context_parallel_attention(
@@ -88,38 +126,54 @@ def context_parallel_attention(
     cp_group: Optional[dist.ProcessGroup],
     split: str = "zigzag",
     dropout: Optional[torch.nn.Module] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of local queries [sq, b, np, hn] over the whole CP group's keys/values
     [sk, b, ng, hn] (sq == sk: self-attention); returns the context [sq, b, np * hn].
-    ``split`` names how the sequence is distributed over the CP ranks (see token_positions)."""
+    ``split`` names how the sequence is distributed over the CP ranks (see token_positions).
+    With ``cu_seqlens`` (the packed row's sequence boundaries, padding included; b must be 1)
+    each query attends only within its own sequence, split per sequence (packed_token_positions)."""
     cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
     cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
     local_len = query.shape[0]
     if key.shape[0] != local_len:
         raise ValueError(f"self-attention only: {local_len} queries but {key.shape[0]} local keys")
+    if cu_seqlens is not None and int(cu_seqlens[-1]) != cp_size * local_len:
+        raise ValueError(
+            f"packed_seq_params cu_seqlens end at {int(cu_seqlens[-1])} tokens but the row holds "
+            f"{cp_size * local_len} (cp={cp_size} x {local_len} local); the padding must belong to a "
+            f"sequence: pass cu_seqlens_q_padded (parallel.packing.PackedBatch.packed_seq_params)"
+        )
     if cp_size > 1:
         key, value = _GatherSequence.apply(key, cp_group), _GatherSequence.apply(value, cp_group)
-    query_pos = token_positions(local_len, cp_size, cp_rank, split)
-    key_pos = torch.cat([token_positions(local_len, cp_size, r, split) for r in range(cp_size)])
     heads, groups = query.shape[2], key.shape[2]
     if heads != groups:  # GQA: [S, b, ng, hn] -> [S, b, np, hn]
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
-    # [b, np, sq, hn] @ [b, np, hn, S] -> scores [b, np, sq, S]
-    scores = torch.matmul(query.permute(1, 2, 0, 3), key.permute(1, 2, 3, 0)) * softmax_scale
-    scores = scores.float().masked_fill(~allowed_keys(query_pos, key_pos), torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    if dropout is not None:
-        probs = dropout(probs)
-    context = torch.matmul(probs, value.permute(1, 2, 0, 3))  # [b, np, sq, hn]
-    return context.permute(2, 0, 1, 3).reshape(local_len, query.shape[1], -1)
+    if cu_seqlens is None:
+        query_pos = token_positions(local_len, cp_size, cp_rank, split)
+        key_pos = torch.cat([token_positions(local_len, cp_size, r, split) for r in range(cp_size)])
+        return _causal_attention(query, key, value, query_pos, key_pos, softmax_scale, dropout)
+    query_pos = packed_token_positions(cu_seqlens, cp_size, cp_rank)
+    # Gathered keys are in CP-rank order and each rank's share is grouped by sequence in row
+    # order, so sequence i's keys are slice i of every rank's share.
+    keys, values = (t.view(cp_size, local_len, *t.shape[1:]) for t in (key, value))
+    key_pos = torch.stack([packed_token_positions(cu_seqlens, cp_size, r) for r in range(cp_size)])
+    contexts, offset = [], 0
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        part = slice(offset, offset + (end - start) // cp_size)
+        offset = part.stop
+        contexts.append(_causal_attention(query[part], keys[:, part].flatten(0, 1), values[:, part].flatten(0, 1),
+                                          query_pos[part], key_pos[:, part].flatten(), softmax_scale, dropout))
+    return torch.cat(contexts)
 
 
 class ContextParallelAttention(MegatronModule):
-    """Drop-in ``core_attention`` for megatron's local spec that supports CP (zig-zag split).
+    """Drop-in ``core_attention`` for megatron's local spec that supports CP (zig-zag split) and
+    packed sequences (``packed_seq_params`` in megatron's "thd" format).
 
     Causal self-attention only; ``cp_comm_type`` is ignored (K/V are always all-gathered, TE's
-    "all_gather" mode); attention masks, biases and packed sequences are refused, not ignored.
+    "all_gather" mode); attention masks and biases are refused, not ignored.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -147,19 +201,46 @@ class ContextParallelAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        """q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np*hn]; packed ("thd"): q [t, np, hn],
+        k/v [t, ng, hn] -> [t, np*hn], as megatron's SelfAttention passes and expects them."""
         from megatron.core import tensor_parallel
 
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+        if attention_mask is not None or attention_bias is not None:
             raise NotImplementedError(
-                "ContextParallelAttention takes no attention_mask, attention_bias or packed_seq_params "
-                "(the causal mask is built from global positions)"
+                "ContextParallelAttention takes no attention_mask or attention_bias (the causal mask is "
+                "built from global positions; packed sequences come as packed_seq_params)"
             )
+        cu_seqlens = None
+        if packed_seq_params is not None:
+            cu_seqlens = packed_boundaries(packed_seq_params)
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # thd: batch dim 1
         dropout = self.attention_dropout if self.attention_dropout.p > 0 and self.training else None
+        args = (query, key, value, self.softmax_scale, self.cp_group)
         if dropout is not None and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():  # as DotProductAttention does
-                return context_parallel_attention(query, key, value, self.softmax_scale, self.cp_group,
-                                                  dropout=dropout)
-        return context_parallel_attention(query, key, value, self.softmax_scale, self.cp_group, dropout=dropout)
+                context = context_parallel_attention(*args, dropout=dropout, cu_seqlens=cu_seqlens)
+        else:
+            context = context_parallel_attention(*args, dropout=dropout, cu_seqlens=cu_seqlens)
+        return context if cu_seqlens is None else context.squeeze(1)
+
+
+def packed_boundaries(packed_seq_params) -> torch.Tensor:
+    """The packed row's sequence boundaries, padding included (``cu_seqlens_q_padded`` when set,
+    as megatron's thd RoPE uses it), after checking the params describe packed self-attention."""
+    if packed_seq_params.qkv_format != "thd":
+        raise NotImplementedError(
+            f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd' is supported "
+            f"(megatron restarts RoPE positions per sequence only for thd); build the params with "
+            f"parallel.packing.pack_sequences"
+        )
+    params = packed_seq_params
+    cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    if cu_q is None or cu_kv is None or not torch.equal(cu_q, cu_kv):
+        raise ValueError(
+            f"packed_seq_params: self-attention needs equal query and key cu_seqlens (got {cu_q} and {cu_kv})"
+        )
+    return cu_q
 
 
 def split_for_context_parallel(batch: dict) -> dict:

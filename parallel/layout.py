@@ -146,10 +146,12 @@ def megatron_config(
     )
 
 
-def layer_spec(config, layout: MegatronLayout):
+def layer_spec(config, layout: MegatronLayout, packed_sequences: bool = False):
     """The transformer-layer spec: megatron's local spec (pure torch; runs on CPU), with the core
-    attention replaced by the project's context-parallel attention when ``layout.cp > 1``
-    (megatron's local DotProductAttention refuses CP; only Transformer Engine's does CP).
+    attention replaced by the project's context-parallel attention when ``layout.cp > 1`` or
+    ``packed_sequences`` (megatron's local DotProductAttention refuses both CP and
+    packed_seq_params; only Transformer Engine's does them). The attention has no parameters, so
+    both specs hold the same weights and checkpoints.
 
     Branch point for GPUs: with Transformer Engine installed, megatron's
     ``get_gpt_layer_with_transformer_engine_spec`` (TEDotProductAttention does CP natively, with
@@ -161,7 +163,7 @@ def layer_spec(config, layout: MegatronLayout):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    if layout.cp > 1:
+    if layout.cp > 1 or packed_sequences:
         from parallel.context_parallel import ContextParallelAttention
 
         spec = copy.deepcopy(spec)
@@ -174,12 +176,14 @@ def build_model_chunks(
     layout: MegatronLayout,
     params_dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
+    packed_sequences: bool = False,
     **config_overrides: Any,
 ) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage) for an HF config.
 
     Weights are initialised on the CPU from the full tensors and then split (megatron's
     ``use_cpu_initialization``), so the same seed gives the same model at every layout.
+    ``packed_sequences``: the chunks accept ``packed_seq_params`` (see parallel.packing).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -190,7 +194,7 @@ def build_model_chunks(
     config = megatron_config(hf_config, layout, params_dtype, **config_overrides)
     model_kwargs = family.gpt_model_kwargs(hf_config)
     model_kwargs["vocab_size"] = padded_vocab_size(model_kwargs["vocab_size"], make_vocab_size_divisible_by, layout.tp)
-    spec = layer_spec(config, layout)
+    spec = layer_spec(config, layout, packed_sequences)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None

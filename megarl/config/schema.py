@@ -151,6 +151,7 @@ class RolloutConfig:
     top_k: int = -1  # -1 = off
     max_new_tokens: int = 32
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # true: every response is max_new_tokens long (benchmarks)
     mem_fraction_static: float = 0.5  # SGLang's static memory fraction (weights + KV cache)
 
 

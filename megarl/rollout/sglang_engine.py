@@ -15,12 +15,25 @@ Weight sync: :meth:`SGLangEngine.update_weights_direct` copies already-sharded t
 rank's own parameters (one payload per rank, SGLang's ``load_format="direct"``) inside a
 :meth:`SGLangEngine.weight_update` session; :meth:`SGLangEngine.rank_parameter_checksums` reads
 back what every rank holds, hashed inside the scheduler processes.
+
+Reproducible sampling: :meth:`SGLangEngine.reseed` puts every scheduler (TP rank) into the
+sampling state of a freshly started engine whose ``random_seed`` is the given seed, so a resumed
+run (new engine) samples the same tokens as an uninterrupted one. SGLang samples with each
+scheduler's global RNGs (torch, plus python ``random``/numpy), seeded only once at startup; its
+per-request ``sampling_seed`` needs ``enable_deterministic_inference``, which the CPU path
+cannot use. The handle therefore adds a ``megarl_reseed`` method to SGLang's ``Scheduler`` class
+in the scheduler processes (:func:`install_scheduler_patch`, run at interpreter start by the
+``sitecustomize`` in :data:`parallel.cpu_stubs.SITE_DIR` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``;
+SGLang spawns its schedulers, so a patch made in this process would not reach them) and calls it
+on every rank with SGLang's ``Engine.collective_rpc``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.abc
+import importlib.util
 import os
 import pickle
 import signal
@@ -43,6 +56,11 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = dict(
     device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
     disable_cuda_graph=True, mem_fraction_static=0.05, max_total_tokens=4096,
 )
+
+
+# Set in the engine's environment: its processes add ``Scheduler.megarl_reseed`` at import time.
+SCHEDULER_PATCH_ENV_VAR = "MEGARL_SGLANG_SCHEDULER_PATCH"
+RESEED_RPC = "megarl_reseed"  # the Scheduler method reseed() calls on every rank
 
 
 class EngineError(RuntimeError):
@@ -158,6 +176,8 @@ class SGLangEngine:
         self.device, self.tp_size, self.call_timeout_s = device, tp_size, call_timeout_s
         kwargs: dict[str, Any] = dict(model_path=str(model_path), tp_size=tp_size, dtype=dtype,
                                       skip_tokenizer_init=True)
+        from parallel.cpu_stubs import SITE_DIR
+
         child_env = dict(os.environ)
         if device == "cpu":
             from parallel.cpu_stubs import child_env as stub_env
@@ -167,8 +187,12 @@ class SGLangEngine:
             child_env["SGLANG_USE_CPU_ENGINE"] = "1"
             if tp_size > 1:  # one NUMA node cannot host several ranks without an explicit bind
                 child_env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(tp_size))
+        # The sitecustomize in SITE_DIR installs the scheduler patch (reseed) on every device and
+        # the CPU stubs only where MEGARL_CPU_STUBS=1 (set above for CPU engines).
+        front = [str(SITE_DIR), str(_PROJECT_ROOT)]
         child_env["PYTHONPATH"] = os.pathsep.join(
-            [str(_PROJECT_ROOT)] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+            front + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in front])
+        child_env[SCHEDULER_PATCH_ENV_VAR] = "1"
         child_env.update(env or {})
         if mem_fraction_static is not None:
             kwargs["mem_fraction_static"] = mem_fraction_static
@@ -224,6 +248,27 @@ class SGLangEngine:
         """One dict per prompt: ``output_ids``, ``finish_reason`` and, with ``return_logprob``,
         ``output_logprobs`` (log-prob of each output token)."""
         return self.call("generate", input_ids, sampling_params, return_logprob, timeout_s=timeout_s)
+
+    def reseed(self, seed: int, timeout_s: float | None = None) -> None:
+        """Put every scheduler (TP rank) into the sampling state of a freshly started engine with
+        ``random_seed=seed``: re-seed its RNGs (torch CPU and accelerator, python ``random``,
+        numpy: SGLang's own ``set_random_seed``, the call it makes at startup) and flush its prefix
+        cache (scheduling order depends on cached prefixes; a fresh engine has none) and reset
+        its admission estimate (``new_token_ratio``), all while no request runs.
+
+        From then on the same sequence of :meth:`generate` calls with the same weights and
+        settings samples the same tokens (and log-probs) on this engine as on a fresh one.
+        That holds because each ``generate`` reaches the scheduler as ONE message (a list of
+        token-id prompts, batch size 1 or more, ``n`` unset or 1) and is scheduled without
+        regard to timing; SGLang sends the requests of a call with ``n > 1`` one by one, which
+        makes batch formation, and so the tokens, timing dependent: repeat prompts instead.
+        Raises :class:`EngineError` when a scheduler refused (e.g. requests still in flight).
+        """
+        value = None if isinstance(seed, bool) or not hasattr(seed, "__index__") else seed.__index__()
+        if value is None or not 0 <= value < 2**32:
+            raise ValueError(f"reseed: seed must be an integer in [0, 2**32) (numpy's seed range), "
+                             f"got {seed!r}")
+        self.call("reseed", value, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ weights
     # SGLang (0.5.23) refuses update_weights_from_* outside a begin/end weight-update session.
@@ -407,6 +452,71 @@ class SGLangEngine:
         self.shutdown()
 
 
+# ---------------------------------------------------------------------- scheduler process side
+# Runs in SGLang's scheduler processes (and, inert, in every other process of the engine).
+
+_SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+_RESEED_BUSY = "megarl_reseed: scheduler not idle"
+
+
+def _scheduler_reseed(self, seed: int) -> None:
+    """``Scheduler.megarl_reseed``: the sampling state of a fresh engine with ``random_seed=seed``
+    (see :meth:`SGLangEngine.reseed`). Refuses while requests run."""
+    from sglang.srt.utils.common import set_random_seed
+
+    if not self.flush_cache():  # False while requests are queued or running; then nothing changed
+        raise RuntimeError(f"{_RESEED_BUSY} (requests queued or running)")
+    self.new_token_ratio_tracker.reset()  # what an idle scheduler resets; fresh engines start there
+    set_random_seed(seed)  # python random, numpy, torch (CPU and every accelerator): as at startup
+    self.random_seed = seed
+
+
+def _patch_scheduler_module(module) -> None:
+    scheduler = getattr(module, "Scheduler", None)
+    if scheduler is None:  # a future SGLang moved it: reseed() will say the method is missing
+        print(f"megarl: {module.__name__} has no Scheduler class; {RESEED_RPC} not installed",
+              file=sys.stderr, flush=True)
+        return
+    setattr(scheduler, RESEED_RPC, _scheduler_reseed)
+
+
+class _PostImportPatch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for one module it asks the finders after it for the spec and wraps
+    the loader's ``exec_module`` so the module is patched right after it executes. Removes itself
+    once used."""
+
+    def __init__(self, fullname: str, patch):
+        self.fullname, self.patch = fullname, patch
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.fullname or self not in sys.meta_path:
+            return None
+        sys.meta_path.remove(self)  # one-shot; also keeps the lookup below from finding us
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, patch = spec.loader.exec_module, self.patch
+
+        def exec_and_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # this spec's own loader instance
+        return spec
+
+
+def install_scheduler_patch() -> None:
+    """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class in
+    this process: now if it is imported already, otherwise right after its import. Run at
+    interpreter start (before SGLang is imported) in every process of an engine by the
+    ``sitecustomize`` in ``parallel/cpu_stubs/site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
+    Imports nothing of SGLang itself. Idempotent."""
+    if _SCHEDULER_MODULE in sys.modules:
+        _patch_scheduler_module(sys.modules[_SCHEDULER_MODULE])
+    elif not any(isinstance(f, _PostImportPatch) and f.fullname == _SCHEDULER_MODULE for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportPatch(_SCHEDULER_MODULE, _patch_scheduler_module))
+
+
 # ---------------------------------------------------------------------- engine process side
 
 
@@ -451,6 +561,28 @@ def _do_update_weights_from_payloads(engine, payloads: list[bytes], load_format:
              f"update_weights_from_tensor(load_format={load_format!r})")
 
 
+def _do_reseed(engine, seed: int, busy_retry_s: float = 10.0):
+    """``Scheduler.megarl_reseed(seed)`` on every rank. A scheduler that has just sent the last
+    output of a call may still hold the finished batch for one loop iteration and refuse (busy):
+    retry for a while."""
+    deadline = time.monotonic() + busy_retry_s
+    while True:
+        try:
+            engine.collective_rpc(RESEED_RPC, seed=seed)
+            return
+        except AssertionError as err:  # collective_rpc asserts the schedulers' success
+            message = str(err)
+        if _RESEED_BUSY in message and time.monotonic() < deadline:
+            time.sleep(0.05)
+            continue
+        hint = ""
+        if RESEED_RPC in message and "attribute" in message:
+            hint = (f"\n(the schedulers lack {RESEED_RPC}: they must start with "
+                    f"{SCHEDULER_PATCH_ENV_VAR}=1 and parallel/cpu_stubs/site on PYTHONPATH, as "
+                    f"SGLangEngine arranges; see install_scheduler_patch)")
+        raise RuntimeError(f"SGLang schedulers refused {RESEED_RPC}(seed={seed}): {message}{hint}")
+
+
 def _do_flush_cache(engine):
     return bool(engine.flush_cache().success)
 
@@ -473,6 +605,7 @@ _HELPERS = {
     "end_weight_update": _do_end_weight_update,
     "update_weights_from_payloads": _do_update_weights_from_payloads,  # args: per-rank payloads, load_format, flush
     "flush_cache": _do_flush_cache,
+    "reseed": _do_reseed,
     "rank_parameter_checksums": _do_rank_parameter_checksums,
 }
 

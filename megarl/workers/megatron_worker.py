@@ -342,6 +342,71 @@ class MegatronWorker:
         execute_plan(plan, device, sources, buffers)
         return buffers or None
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Collective: every model's weights as a Megatron distributed checkpoint (loadable at any
+        layout) under ``directory/<role>``, and this rank's optimizer, step and RNG states
+        (resumable at the same layout) under ``directory/rank_states/rank<r>.pt``."""
+        import random
+        from pathlib import Path
+
+        import numpy as np
+        from megatron.core import tensor_parallel
+
+        from parallel.dist_ckpt import save_megatron_checkpoint
+
+        for role, model in self.models.items():
+            save_megatron_checkpoint(model.chunks, Path(directory) / role, model.hf_config, model.spec.layout)
+        state = {
+            "layout": dataclasses.asdict(self.layout), "world_size": self.world_size,
+            "optimizers": {role: m.optimizer.state_dict() for role, m in self.models.items() if m.optimizer},
+            "optimizer_steps": {role: m.optimizer_steps for role, m in self.models.items()},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+                    "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()},
+        }
+        target = Path(directory) / "rank_states" / f"rank{self.rank}.pt"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_suffix(".tmp")
+        torch.save(state, temporary)
+        temporary.rename(target)
+        torch.distributed.barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Collective: restore what ``save_checkpoint`` wrote; the layout and world size must be
+        the ones it was saved at (optimizer states are per rank)."""
+        import random
+        from pathlib import Path
+
+        import numpy as np
+        from megatron.core import tensor_parallel
+
+        from parallel.dist_ckpt import load_megatron_checkpoint
+
+        state = torch.load(Path(directory) / "rank_states" / f"rank{self.rank}.pt", weights_only=False)
+        mine = dataclasses.asdict(self.layout)
+        if state["layout"] != mine or state["world_size"] != self.world_size:
+            raise ValueError(
+                f"checkpoint {directory} was saved with layout {state['layout']} on {state['world_size']} ranks, "
+                f"this run has {mine} on {self.world_size}; resume with the same actor layout and cluster, "
+                "or start a new run from its weights (convert the checkpoint to HF with `megarl convert`)")
+        for role, model in self.models.items():
+            load_megatron_checkpoint(model.chunks, Path(directory) / role)
+            if model.optimizer is not None:
+                model.optimizer.load_state_dict(state["optimizers"][role])
+            model.optimizer_steps = state["optimizer_steps"][role]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["megatron"])
+
+    def export_hf(self, target: str) -> None:
+        """Collective: the actor's weights as an HF checkpoint at ``target`` (atomic)."""
+        from parallel.convert import export_hf_checkpoint
+
+        model = self.models["actor"]
+        export_hf_checkpoint(model.chunks, model.hf_config, model.spec.layout, target)
+
     def shutdown(self) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state

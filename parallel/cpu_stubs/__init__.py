@@ -40,7 +40,10 @@ first import. :func:`child_env` returns an environment that puts :data:`SITE_DIR
 ``sitecustomize.py``) on ``PYTHONPATH`` and sets ``MEGARL_CPU_STUBS=1`` (plus
 ``MEGARL_CPU_STUBS_OVERRIDE=name,...``); every Python process started with it installs the stubs
 at interpreter start. The variables are deliberately not named ``SGL_*``: SGLang treats ``SGL_*``
-as deprecated aliases of ``SGLANG_*``.
+as deprecated aliases of ``SGLANG_*``. The same ``sitecustomize`` also hosts an unrelated hook that
+:class:`megarl.rollout.SGLangEngine` turns on for engines on every device
+(``MEGARL_SGLANG_SCHEDULER_PATCH=1``: a reseed method on SGLang's scheduler); the stubs stay off
+unless ``MEGARL_CPU_STUBS=1``.
 """
 
 from __future__ import annotations

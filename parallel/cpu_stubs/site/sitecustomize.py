@@ -1,13 +1,46 @@
-"""Installs megarl's CPU import stubs at interpreter start when MEGARL_CPU_STUBS=1.
+"""Interpreter-start hooks for the processes of a megarl SGLang engine (this directory is put first
+on their PYTHONPATH; SGLang spawns its scheduler/detokenizer children, which must be hooked before
+their first import). Two independent hooks, each off unless its variable is "1":
 
-This directory is put on PYTHONPATH by ``parallel.cpu_stubs.child_env()`` for processes that run
-SGLang on CPU (the engine spawns scheduler/detokenizer children that must have the stubs before
-their first import). See ``parallel/cpu_stubs/__init__.py`` for what is stubbed and why.
+``MEGARL_CPU_STUBS``
+    install megarl's CPU import stubs (CPU engines only; see ``parallel/cpu_stubs/__init__.py``).
+``MEGARL_SGLANG_SCHEDULER_PATCH``
+    add ``Scheduler.megarl_reseed`` to SGLang's scheduler when it is imported (every device; see
+    ``megarl.rollout.sglang_engine.install_scheduler_patch``).
+
+Then the next ``sitecustomize`` on ``sys.path`` (one this file shadows, e.g. a distribution's)
+runs as it would have without this directory.
 """
 
 import os
+import sys
 
 if os.environ.get("MEGARL_CPU_STUBS", "") == "1":
     from parallel.cpu_stubs import install_from_env
 
     install_from_env()
+
+if os.environ.get("MEGARL_SGLANG_SCHEDULER_PATCH", "") == "1":
+    from megarl.rollout.sglang_engine import install_scheduler_patch
+
+    install_scheduler_patch()
+
+
+def _run_shadowed_sitecustomize() -> None:
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    entries = [os.path.abspath(p or os.curdir) for p in sys.path]
+    if here not in entries:
+        return
+    later = [p for p in entries[entries.index(here) + 1:] if p != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", later)
+    if spec is None or spec.loader is None or os.path.abspath(spec.origin or "") == os.path.abspath(__file__):
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+_run_shadowed_sitecustomize()
+del _run_shadowed_sitecustomize

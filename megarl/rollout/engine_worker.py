@@ -1,0 +1,46 @@
+"""A rollout engine as a worker: one SGLang engine (``rollout.tp`` ranks) behind a small API the
+controller calls (a Ray actor in a run). It owns the engine handle, so the trainer's resharded
+weights go from the Megatron workers to it through Ray's object store, never via the controller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megarl.rollout.sglang_engine import SGLangEngine
+from megarl.rollout.weight_sync import sync_weights
+
+
+class RolloutWorker:
+    """Generation with sampling params, in-place weight updates with the parity probe, and the
+    colocated release/resume of engine memory (no-ops on CPU)."""
+
+    def __init__(self, model_path: str, tp_size: int, dtype: str, engine_kwargs: dict[str, Any]):
+        self.engine = SGLangEngine(model_path, tp_size=tp_size, dtype=dtype, **engine_kwargs)
+
+    def generate(self, prompts: list[list[int]], sampling_params: list[dict], seed: int | None) -> list[dict]:
+        """One dict per prompt: ``output_ids``, ``output_logprobs``, ``finish_reason``. With
+        ``seed``, sampling is re-seeded first so the tokens are a function of (weights, seed)."""
+        if seed is not None:
+            self.engine.reseed(seed)
+        return self.engine.generate(prompts, sampling_params, return_logprob=True)
+
+    def update_weights(self, *per_rank: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        """Copy each engine rank's shards (argument r = rank r) in place and verify checksums."""
+        if any(tensors is None for tensors in per_rank):
+            raise ValueError("weight sync: an engine rank received no shards (the plan's destinations "
+                             "and the engine's ranks disagree)")
+        return sync_weights(self.engine, list(per_rank))
+
+    def release_memory(self) -> None:
+        if self.engine.device != "cpu":
+            self.engine.call("release_memory_occupation")
+
+    def resume_memory(self) -> None:
+        if self.engine.device != "cpu":
+            self.engine.call("resume_memory_occupation")
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

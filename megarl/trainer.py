@@ -1,0 +1,551 @@
+"""The single controller of an RL run: one driver process that owns no model weights.
+
+It starts Ray, places one ``MegatronWorker`` per rank of the actor's pool (actor, reference and
+critic share those processes and their layout) and one ``RolloutWorker`` (an SGLang engine of
+``rollout.tp`` ranks) per ``rollout.tp`` ranks, and then runs the algorithm step by step::
+
+    generate -> reward -> reference / critic forward -> advantages -> update -> weight sync
+
+``grpo_step`` and ``ppo_step`` are that dataflow for the two families; everything they call is
+shared. Every step logs its metrics (console, TensorBoard, ``metrics.jsonl``), and every
+``trainer.save_every`` steps a checkpoint is written atomically; ``trainer.resume: auto`` continues
+from the newest complete one. SIGTERM makes the driver save before it exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.config.schema import RunConfig
+from megarl.metrics import MetricsLogger
+
+CHECKPOINT_DIR = "checkpoints"
+STATE_FILE = "trainer_state.json"
+
+
+class RunError(RuntimeError):
+    """The run cannot continue (a resume mismatch, a failed weight sync, ...); says why and the fix."""
+
+
+# ----------------------------------------------------------------------------- model and data
+
+
+def materialize_model(cfg: RunConfig) -> str:
+    """The HF directory the run starts from: ``model.path`` itself, or for a preset name a tiny
+    randomly initialised model with the character tokenizer, made once under the output dir."""
+    from model_specs.presets import PRESETS, save_tiny_hf_model
+    from model_specs.tokenizer import save_char_tokenizer
+
+    if Path(cfg.model.path).is_dir() or cfg.model.path not in PRESETS:
+        return cfg.model.path
+    target = Path(cfg.trainer.output_dir) / "initial_model"
+    if not (target / "config.json").is_file():
+        partial = target.parent / f".{target.name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        save_tiny_hf_model(cfg.model.path, partial, seed=cfg.trainer.seed, eos_token_id=1, pad_token_id=0)
+        save_char_tokenizer(partial)
+        partial.rename(target)
+    return str(target)
+
+
+def load_tokenizer(cfg: RunConfig, model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+
+
+def config_fingerprint(cfg: RunConfig) -> dict:
+    """What a checkpoint must agree with to be resumed: the model and the actor's layout."""
+    return {"model": cfg.model.path, "dtype": cfg.model.dtype,
+            "actor_layout": dataclasses.asdict(cfg.actor.layout), "cluster": dataclasses.asdict(cfg.cluster),
+            "critic": cfg.critic.enabled, "ref": cfg.ref.enabled}
+
+
+# ----------------------------------------------------------------------------- the controller
+
+
+class Trainer:
+    """Builds the workers of ``cfg`` (validated) and runs ``trainer.total_steps`` RL steps."""
+
+    def __init__(self, cfg: RunConfig, log=print):
+        self.cfg, self.log = cfg, log
+        self.out = Path(cfg.trainer.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model_dir = materialize_model(cfg)
+        self.tokenizer = load_tokenizer(cfg, self.model_dir)
+        self._stop_requested = False
+        self.step = 0
+        self._build_data()
+        self._start_workers()
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_data(self) -> None:
+        from megarl.algorithms import AdaptiveKLController, FixedKLController
+        from megarl.data.dataset import PromptDataset, PromptLoader
+        from megarl.rewards.dispatch import RewardRunner
+
+        d = self.cfg.data
+        dataset = PromptDataset(d.train_files, self.tokenizer, prompt_key=d.prompt_key,
+                                ground_truth_key=d.ground_truth_key, data_source_key=d.data_source_key,
+                                default_data_source=d.default_data_source, extra_info_key=d.extra_info_key,
+                                prompt_template=d.prompt_template, chat_template=d.chat_template,
+                                max_prompt_length=d.max_prompt_length)
+        self.loader = PromptLoader(dataset, d.batch_size, seed=d.seed, shuffle=d.shuffle)
+        r = self.cfg.reward
+        self.rewards = RewardRunner(r.functions, r.default, r.timeout_s, r.backend, r.num_workers)
+        kl = self.cfg.algorithm.kl_penalty
+        self.kl_controller = (AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.controller == "adaptive"
+                              else FixedKLController(kl.coef))
+
+    def _start_workers(self) -> None:
+        import ray
+
+        from megarl.rollout.engine_worker import RolloutWorker
+        from megarl.workers.megatron_worker import MegatronWorker
+
+        cfg = self.cfg
+        world = cfg.cluster.world_size
+        gpu = cfg.cluster.device == "gpu"
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+            else:
+                ray.init(num_cpus=max(os.cpu_count() or 1, world), num_gpus=world if gpu else 0,
+                         include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        self.placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        ray.get(self.placement.ready(), timeout=300)
+
+        def on(index: int) -> dict:
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, index)}
+
+        address, port = ray.get(ray.remote(num_cpus=0)(_address).options(**on(0)).remote())
+        threads = None if gpu else max(1, (os.cpu_count() or 1) // world)
+        worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(MegatronWorker)
+        self.workers = [worker_cls.options(**on(r)).remote(r, world, address, port, threads) for r in range(world)]
+        self._setup_models()
+        engine_cls = ray.remote(num_cpus=0)(RolloutWorker)
+        r = cfg.rollout
+        engine_kwargs: dict[str, Any] = {"random_seed": cfg.trainer.seed}
+        if gpu:
+            engine_kwargs["mem_fraction_static"] = r.mem_fraction_static
+        num_engines = max(1, world // r.tp) if r.placement == "colocated" else cfg.cluster.pool_sizes()[r.pool] // r.tp
+        self.engines = [engine_cls.options(**on(e * r.tp % world)).remote(self.model_dir, r.tp, cfg.model.dtype,
+                                                                          engine_kwargs)
+                        for e in range(num_engines)]
+        from parallel.hf_io import HFCheckpoint
+        from parallel.plan import plan_megatron_to_sglang
+
+        hf_config = HFCheckpoint(self.model_dir).config
+        self.plan = plan_megatron_to_sglang(hf_config, cfg.actor.layout.to_megatron(), world, r.tp,
+                                            element_size=torch.tensor([], dtype=_dtype(cfg.model.dtype)).element_size())
+        self.plan.check()
+        self._call_engines("generate", [[1]], [{"max_new_tokens": 1}], None)  # the engines are up
+        self.log(f"megarl: {world} Megatron rank(s) (layout {cfg.actor.layout}), {num_engines} SGLang engine(s) "
+                 f"of TP={r.tp}, model {self.model_dir}")
+
+    def _setup_models(self) -> None:
+        from megarl.workers.batch import MicroBatching
+        from megarl.workers.megatron_worker import LossSettings, ModelSpec
+
+        cfg = self.cfg
+        a = cfg.actor
+        layout = a.layout.to_megatron()
+        steps_per_rl_step = a.ppo_epochs * self._minibatches_per_step(a.mini_batch_size)
+        kl = a.kl_loss
+        actor_loss = LossSettings(policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
+                                  max_len=cfg.rollout.max_new_tokens, clip_ratio_low=a.clip_ratio_low,
+                                  clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                                  entropy_coef=a.entropy_coef, kl_coef=kl.coef if kl.enabled else 0.0,
+                                  kl_estimator=kl.estimator, kl_clamp=kl.clamp)
+        specs = [ModelSpec("actor", self.model_dir, layout, MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch),
+                           a.optim, cfg.trainer.total_steps * steps_per_rl_step, actor_loss, cfg.model.dtype)]
+        if self.needs_reference:
+            specs.append(ModelSpec("ref", self.model_dir, layout, MicroBatching(cfg.ref.micro_batch_size),
+                                   dtype=cfg.model.dtype))
+        if cfg.critic.enabled:
+            c = cfg.critic
+            specs.append(ModelSpec("critic", c.model_path or self.model_dir, layout,
+                                   MicroBatching(c.micro_batch_size, c.max_tokens_per_micro_batch), c.optim,
+                                   cfg.trainer.total_steps * c.ppo_epochs * self._minibatches_per_step(c.mini_batch_size),
+                                   LossSettings(loss_agg_mode=c.loss_agg_mode, value_clip=c.value_clip,
+                                                max_len=cfg.rollout.max_new_tokens), cfg.model.dtype))
+        for spec in specs:
+            self.worker_info = self._call_workers("setup", spec, cfg.trainer.seed)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.cfg.ref.enabled or self.cfg.actor.kl_loss.enabled or self.cfg.algorithm.kl_penalty.enabled
+
+    def _minibatches_per_step(self, mini_batch_size: int | None) -> int:
+        return max(1, self.cfg.data.batch_size // (mini_batch_size or self.cfg.data.batch_size))
+
+    # ------------------------------------------------------------------ worker calls
+
+    def _call_workers(self, method: str, *args) -> list:
+        import ray
+
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return ray.get(refs)
+
+    def _call_engines(self, method: str, *args) -> list:
+        import ray
+
+        return ray.get([getattr(e, method).remote(*args) for e in self.engines])
+
+    def _forward(self, role: str, batch: dict, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """A role's per-response-token outputs for the whole batch, in row order."""
+        parts = [p for p in self._call_workers("forward", role, batch, with_entropy) if p is not None]
+        order = torch.cat([p["rows"] for p in parts]).argsort()
+        return {k: torch.cat([p[k] for p in parts])[order] for k in parts[0] if k != "rows"}
+
+    # ------------------------------------------------------------------ the dataflow pieces
+
+    def generate(self, prompts: dict) -> dict:
+        """``rollout.n`` samples of every prompt from the engines: the training batch."""
+        r = self.cfg.rollout
+        n = r.n
+        prompt_ids = [ids for ids in prompts["prompt_ids"] for _ in range(n)]
+        stop = list(r.stop_token_ids)
+        params = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                  "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
+        if stop:
+            params["stop_token_ids"] = stop
+        shares = [list(range(len(prompt_ids)))[e::len(self.engines)] for e in range(len(self.engines))]
+        import ray
+
+        seed = self.cfg.trainer.seed * 100_003 + self.step
+        refs = [engine.generate.remote([prompt_ids[i] for i in share], [params] * len(share), seed + e)
+                for e, (engine, share) in enumerate(zip(self.engines, shares))]
+        outputs: list[dict] = [None] * len(prompt_ids)
+        for share, results in zip(shares, ray.get(refs)):
+            for i, out in zip(share, results):
+                outputs[i] = out
+        responses = [out["output_ids"][: r.max_new_tokens] for out in outputs]
+        lengths = [len(p) + max(len(resp), 1) for p, resp in zip(prompt_ids, responses)]
+        ids = torch.zeros(len(prompt_ids), max(lengths), dtype=torch.long)
+        width = max(max(len(resp) for resp in responses), 1)
+        rollout_logp = torch.zeros(len(prompt_ids), width)
+        for i, (p, resp, out) in enumerate(zip(prompt_ids, responses, outputs)):
+            ids[i, : len(p) + len(resp)] = torch.tensor(p + resp, dtype=torch.long)
+            rollout_logp[i, : len(resp)] = torch.tensor(out["output_logprobs"][: len(resp)], dtype=torch.float32)
+        repeat = lambda values: [v for v in values for _ in range(n)]  # noqa: E731
+        return {
+            "input_ids": ids,
+            "prompt_lengths": torch.tensor([len(p) for p in prompt_ids]),
+            "response_lengths": torch.tensor([len(resp) for resp in responses]),
+            "rollout_logp": rollout_logp,
+            "uid": repeat(range(len(prompts["prompt_ids"]))),
+            "responses": [self.tokenizer.decode(resp, skip_special_tokens=True) for resp in responses],
+            "data_source": repeat(prompts["data_source"]),
+            "ground_truth": repeat(prompts["ground_truth"]),
+            "extra_info": repeat(prompts["extra_info"]),
+        }
+
+    def score(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        scores, stats = self.rewards(batch["data_source"], batch["responses"], batch["ground_truth"],
+                                     batch["extra_info"])
+        return scores.float(), stats
+
+    def advantages(self, batch: dict, scores: torch.Tensor, metrics: dict) -> None:
+        """Token rewards (score on the last token, minus a KL penalty if configured) -> the
+        configured estimator's advantages and returns, written into ``batch``."""
+        import inspect
+
+        from megarl.algorithms import apply_kl_penalty, get_advantage, scores_to_token_rewards
+        from megarl.workers.batch import response_mask
+
+        alg = self.cfg.algorithm
+        mask = response_mask(batch)
+        token_rewards = scores_to_token_rewards(scores, mask)
+        if alg.kl_penalty.enabled:
+            token_rewards, kl = apply_kl_penalty(token_rewards, batch["old_logp"], batch["ref_logp"], mask,
+                                                 self.kl_controller.value, alg.kl_penalty.estimator)
+            metrics["kl_penalty/kl"] = float(kl["kl"])
+            metrics["kl_penalty/coef"] = float(kl["kl_coef"])
+            self.kl_controller.update(float(kl["kl"]), n_steps=len(scores))
+        estimator = get_advantage(alg.advantage)
+        available = {"token_rewards": token_rewards, "response_mask": mask, "index": batch["uid"],
+                     "values": batch.get("old_values"), "gamma": alg.gamma, "lam": alg.lam,
+                     "norm_by_std": alg.norm_adv_by_std}
+        accepted = inspect.signature(estimator).parameters
+        adv, returns = estimator(**{k: v for k, v in available.items() if k in accepted and v is not None})
+        batch["advantages"], batch["returns"] = adv, returns
+
+    def update(self, batch: dict) -> dict[str, float]:
+        """``ppo_epochs`` passes over mini-batches: one optimizer step of the actor (and critic)
+        each; metrics are averaged over the steps."""
+        from megarl.workers.batch import response_mask
+
+        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        rows = len(batch["uid"])
+        seen: dict[str, list[float]] = {}
+        roles = [("actor", self.cfg.actor)] + ([("critic", self.cfg.critic)] if self.cfg.critic.enabled else [])
+        for role, section in roles:
+            size = (section.mini_batch_size or self.cfg.data.batch_size) * self.cfg.rollout.n
+            for _ in range(section.ppo_epochs):
+                for start in range(0, rows, size):
+                    mini = {k: v[start:start + size] for k, v in tensors.items()}
+                    mask = response_mask(mini)
+                    counts = {"tokens": float(mask.sum()), "sequences": float((mask.sum(-1) > 0).sum())}
+                    for key, value in self._call_workers("update", role, mini, counts)[0].items():
+                        seen.setdefault(key, []).append(value)
+        return {key: sum(values) / len(values) for key, values in seen.items()}
+
+    def sync_weights(self) -> dict[str, float]:
+        """Reshard the actor's weights into every engine rank's parameters, in place, verified."""
+        import ray
+
+        tp = self.cfg.rollout.tp
+        shards = [w.rollout_shards.remote(self.plan) for w in self.workers]
+        results = ray.get([engine.update_weights.remote(*shards[e * tp:(e + 1) * tp])
+                           for e, engine in enumerate(self.engines)])
+        return {"sync/bytes": sum(r["bytes"] for r in results), "sync/buckets": results[0]["buckets"]}
+
+    # ------------------------------------------------------------------ the algorithms
+
+    def rl_step(self) -> dict[str, float]:
+        """One step of the configured algorithm: GRPO-style (no critic) or PPO (critic)."""
+        return ppo_step(self) if self.cfg.critic.enabled else grpo_step(self)
+
+    def fit(self) -> list[dict[str, float]]:
+        """Run (or continue) until ``trainer.total_steps``; returns this process's step metrics."""
+        cfg = self.cfg
+        self._maybe_resume()
+        history = []
+        logger = MetricsLogger(self.out, cfg.trainer.loggers, total_steps=cfg.trainer.total_steps)
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            while self.step < cfg.trainer.total_steps:
+                metrics = self.rl_step()
+                self.step += 1
+                metrics["step"] = self.step
+                history.append(metrics)
+                if self.step % cfg.trainer.log_every == 0 or self.step == cfg.trainer.total_steps:
+                    logger.log(metrics)
+                last = self.step == cfg.trainer.total_steps
+                if self._stop_requested or last or (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0):
+                    self.save_checkpoint()
+                if self._stop_requested:
+                    self.log(f"megarl: SIGTERM: saved step {self.step}, exiting")
+                    break
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            logger.close()
+        return history
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop_requested = True
+        self.log("megarl: SIGTERM received: finishing this step, then saving a checkpoint")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        root = self.out / CHECKPOINT_DIR
+        done = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()] if root.is_dir() else []
+        return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_<k>`` atomically (temp dir, then rename) and keep the last K."""
+        target = self.out / CHECKPOINT_DIR / f"step_{self.step:06d}"
+        if target.exists():
+            return target
+        partial = target.parent / f".{target.name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        self._call_workers("save_checkpoint", str(partial))
+        state = {"step": self.step, "data": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
+                 "fingerprint": config_fingerprint(self.cfg)}
+        (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+        partial.rename(target)
+        for old in self.checkpoints()[: -self.cfg.trainer.keep_last or None]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.log(f"megarl: saved {target}")
+        return target
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.trainer.resume
+        if resume == "none":
+            return
+        found = self.checkpoints()
+        path = Path(resume) if resume != "auto" else (found[-1] if found else None)
+        if path is None:
+            return
+        if not (path / STATE_FILE).is_file():
+            raise RunError(f"trainer.resume={resume}: {path} is not a complete megarl checkpoint "
+                           f"({STATE_FILE} is missing); pick one of {[str(p) for p in found]} or set trainer.resume=none")
+        state = json.loads((path / STATE_FILE).read_text())
+        mine = config_fingerprint(self.cfg)
+        changed = {k: (state["fingerprint"].get(k), v) for k, v in mine.items() if state["fingerprint"].get(k) != v}
+        if changed:
+            lines = "; ".join(f"{k}: checkpoint {old!r}, config {new!r}" for k, (old, new) in changed.items())
+            raise RunError(f"cannot resume from {path}: the config changed ({lines}). Resume with the "
+                           "checkpoint's settings, or set trainer.resume=none / a new trainer.output_dir")
+        self._call_workers("load_checkpoint", str(path))
+        self.loader.load_state_dict(state["data"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.step = state["step"]
+        self.sync_weights()
+        self.log(f"megarl: resumed from {path} (step {self.step})")
+
+    def export_hf(self, target: str | None = None) -> str:
+        """The actor as an HF checkpoint (default ``<output_dir>/hf_final``)."""
+        target = target or str(self.out / "hf_final")
+        if Path(target).exists():
+            shutil.rmtree(target)
+        self._call_workers("export_hf", target)
+        self.tokenizer.save_pretrained(target)
+        return target
+
+    def close(self) -> None:
+        """Stop every engine and worker (and Ray, if this trainer started it)."""
+        import ray
+
+        for engine in getattr(self, "engines", []):
+            try:
+                ray.get(engine.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - best effort, then the process is killed
+                pass
+        self.rewards.close()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _address() -> tuple[str, int]:
+    """(IP, free port) of the node this runs on: rank 0's torch.distributed rendezvous."""
+    import ray
+
+    from parallel.spawn import free_port
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+def _dtype(name: str) -> torch.dtype:
+    from model_specs.base import dtype_from_name
+
+    return dtype_from_name(name)
+
+
+# ----------------------------------------------------------------------------- algorithm steps
+
+
+class _Timer:
+    def __init__(self, metrics: dict):
+        self.metrics = metrics
+
+    def __call__(self, phase: str):
+        timer = self
+
+        class _Phase:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.metrics[f"time/{phase}_s"] = time.perf_counter() - self.start
+
+        return _Phase()
+
+
+def _needs_old_logp(t: Trainer) -> bool:
+    """Off-policy passes (several epochs or mini-batches) need the pre-update log-probs; a
+    single on-policy pass uses the update's own forward (detached) instead of a second one."""
+    a = t.cfg.actor
+    return a.ppo_epochs * t._minibatches_per_step(a.mini_batch_size) > 1 or t.cfg.algorithm.kl_penalty.enabled
+
+
+def _common_metrics(batch: dict, scores: torch.Tensor, reward_stats: dict, metrics: dict) -> None:
+    lengths = batch["response_lengths"].float()
+    metrics.update({
+        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+    })
+    metrics.update({f"reward/{k}": float(v) for k, v in reward_stats.items() if isinstance(v, (int, float))})
+
+
+def grpo_step(t: Trainer) -> dict[str, float]:
+    """generate -> reward -> reference -> group advantages -> actor update -> weight sync."""
+    metrics: dict[str, float] = {}
+    timed = _Timer(metrics)
+    start = time.perf_counter()
+    with timed("generate"):
+        batch = t.generate(t.loader.next_batch())
+    with timed("reward"):
+        scores, reward_stats = t.score(batch)
+    if t.needs_reference:
+        with timed("reference"):
+            batch["ref_logp"] = t._forward("ref", batch)["logp"]
+    if _needs_old_logp(t):
+        with timed("old_logp"):
+            batch["old_logp"] = t._forward("actor", batch)["logp"]
+    t.advantages(batch, scores, metrics)
+    with timed("update"):
+        metrics.update(t.update(batch))
+    with timed("sync"):
+        metrics.update(t.sync_weights())
+    _finish_metrics(t, batch, scores, reward_stats, metrics, start)
+    return metrics
+
+
+def ppo_step(t: Trainer) -> dict[str, float]:
+    """generate -> reward -> reference + critic -> GAE -> critic and actor updates -> weight sync."""
+    metrics: dict[str, float] = {}
+    timed = _Timer(metrics)
+    start = time.perf_counter()
+    with timed("generate"):
+        batch = t.generate(t.loader.next_batch())
+    with timed("reward"):
+        scores, reward_stats = t.score(batch)
+    if t.needs_reference:
+        with timed("reference"):
+            batch["ref_logp"] = t._forward("ref", batch)["logp"]
+    with timed("old_logp"):
+        batch["old_logp"] = t._forward("actor", batch)["logp"]
+    with timed("values"):
+        batch["old_values"] = t._forward("critic", batch)["values"]
+    t.advantages(batch, scores, metrics)
+    with timed("update"):
+        metrics.update(t.update(batch))
+    with timed("sync"):
+        metrics.update(t.sync_weights())
+    _finish_metrics(t, batch, scores, reward_stats, metrics, start)
+    return metrics
+
+
+def _finish_metrics(t: Trainer, batch: dict, scores, reward_stats, metrics: dict, start: float) -> None:
+    _common_metrics(batch, scores, reward_stats, metrics)
+    elapsed = time.perf_counter() - start
+    tokens = float((batch["prompt_lengths"] + batch["response_lengths"]).sum())
+    metrics.update({"time/step_s": elapsed, "throughput/samples_per_s": len(scores) / elapsed,
+                    "throughput/tokens_per_s": tokens / elapsed,
+                    "throughput/generated_tokens_per_s": float(batch["response_lengths"].sum()) / metrics["time/generate_s"]})
+    flops = _flops_per_token(t)
+    if flops:
+        metrics["perf/train_tflops_per_s"] = 3 * flops * tokens / metrics["time/update_s"] / 1e12
+
+
+def _flops_per_token(t: Trainer) -> float:
+    """Forward FLOPs per token (2 x parameters), from the model config."""
+    from parallel.hf_io import HFCheckpoint
+
+    hf = HFCheckpoint(t.model_dir).config
+    h, f, layers, v = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    kv = hf.get("num_key_value_heads", hf["num_attention_heads"]) * hf.get("head_dim", h // hf["num_attention_heads"])
+    per_layer = h * h * 2 + 2 * h * kv + 3 * h * f
+    return 2.0 * (layers * per_layer + h * v)

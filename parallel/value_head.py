@@ -1,0 +1,246 @@
+"""The critic's model: megatron's GPTModel with the LM head replaced by a scalar value head.
+
+PPO's critic is the policy's transformer (loaded from the policy's HF causal-LM checkpoint) with
+``output_layer`` (hidden -> vocab) replaced by ``ValueHead`` (hidden -> 1, no bias): one value
+per token. Everything else (layer spec, TP/PP/VPP/CP/SP, DDP, optimizer, dist checkpoints) is
+the policy's machinery unchanged.
+
+Design:
+
+- Tied embeddings: the critic never ties. Its chunks are built from the HF config with
+  ``tie_word_embeddings=False``, so GPTModel neither passes the embedding as the output weight
+  nor keeps a copy of the embedding on the last pipeline stage (and finalize_model_grads does
+  not all-reduce embedding grads between the first and last stage). The lm_head / tied
+  embedding is simply not used by the critic; the embedding itself is loaded as usual.
+- The head's weight ``[1, hidden]`` is replicated over TP (never split; there is nothing to
+  split). Without sequence parallelism every TP rank holds the full hidden states (the last
+  row-parallel layer all-reduces them), so each TP rank computes all values, and the head's
+  grad and the hidden states' grad are complete and identical on every TP rank: no reduction.
+- Sequence parallelism: the hidden states reaching the head are this TP rank's slice of the
+  sequence. The head runs on the slice and the [s/tp, b, 1] values (not the [s/tp, b, hidden]
+  hidden states: 1/hidden of the traffic and activation memory) are all-gathered with megatron's
+  ``gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)``: every TP rank
+  holds all values, the loss is computed identically on every TP rank, and the backward keeps
+  each rank's slice of the (identical) value gradient. The head's weight grad is then a partial
+  sum over this rank's tokens, so the weight is tagged ``sequence_parallel=True``: megatron's
+  ``finalize_model_grads`` sums such grads over TP, exactly as it does for the RMSNorm weights
+  under sequence parallelism (so any training path that is right for the policy's norms under
+  SP is right for the head).
+- Dist checkpoints: the head's ShardedTensor is replicated over TP and DP and stored under the
+  key ``output_layer.value_head_weight``, not ``output_layer.weight``: loading a policy checkpoint
+  into critic chunks (or the reverse) fails on the missing key instead of silently reading one
+  row of the lm_head (megatron marks the output layer ``allow_shape_mismatch``).
+- Initialisation: a fresh critic's head is drawn from N(0, std^2) with a ``torch.Generator``
+  seeded by ``head_seed`` (std = the config's ``initializer_range``, 0.02 for the presets), the
+  same full tensor on every rank of every layout. ``head_std=0`` gives the zero head that many
+  PPO critics start from (values 0 at step 0); the seeded normal is the default so that values,
+  and the tests that compare them, are not trivially zero.
+
+GPTModel still allocates (and initialises) its vocab-sized output layer before it is replaced:
+a transient [vocab/tp, hidden] tensor on the last stage at build time, freed right after.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from parallel.hf_io import HFCheckpoint
+from parallel.layout import MegatronLayout, build_model_chunks, unwrap_model
+
+HEAD_CHECKPOINT_SUFFIX = "value_head_weight"
+
+
+class ValueHead(torch.nn.Module):
+    """Drop-in replacement for GPTModel.output_layer: hidden states [s, b, h] -> values [s, b, 1].
+
+    Called by GPTModel as ``output_layer(hidden, weight=None, runtime_gather_output=...)`` and
+    returns ``(values, None)`` like megatron's ColumnParallelLinear; GPTModel then returns
+    ``[b, s, 1]``. Under sequence parallelism the values are gathered over TP (see the module
+    docstring); ``sequence_parallel`` is an attribute GPTModel may toggle for inference, as it
+    does on its own output layer.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.sequence_parallel = bool(config.sequence_parallel)
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
+        # Replicated over TP (no `tensor_model_parallel` attribute). Under SP each TP rank's grad
+        # covers its own tokens only; finalize_model_grads sums grads tagged `sequence_parallel`.
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+        # What megatron sets on every output layer (decoupled LR / no-wd groups key on it).
+        self.weight.is_embedding_or_output_parameter = True
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        if weight is not None:
+            raise ValueError("ValueHead got an output weight from GPTModel: the critic must be built with "
+                             "share_embeddings_and_output_weights=False (build_value_model_chunks does)")
+        values = torch.matmul(hidden_states, self.weight.t())
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """One ShardedTensor, replicated over TP and DP x CP, under a key no policy model has."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+        from megatron.core.utils import make_sharded_tensor_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return {
+            f"{prefix}weight": make_sharded_tensor_for_checkpoint(
+                self.weight, f"{prefix}{HEAD_CHECKPOINT_SUFFIX}", sharded_offsets,
+                tp_group=parallel_state.get_tensor_model_parallel_group(), dp_cp_group=metadata["dp_cp_group"],
+            )
+        }
+
+
+def is_value_chunk(chunk) -> bool:
+    """Whether a (possibly DDP-wrapped) chunk's output layer is a ValueHead."""
+    model = unwrap_model(chunk)
+    return isinstance(getattr(model, "output_layer", None), ValueHead)
+
+
+def value_heads(chunks: list) -> list[ValueHead]:
+    """The value heads of this rank's chunks (one on the last pipeline stage's last chunk, else none)."""
+    return [unwrap_model(c).output_layer for c in chunks if is_value_chunk(c)]
+
+
+def build_value_model_chunks(
+    hf_config: Mapping[str, Any],
+    layout: MegatronLayout,
+    params_dtype: torch.dtype = torch.float32,
+    head_seed: int = 0,
+    head_std: float | None = None,
+    **build_kwargs: Any,
+) -> list:
+    """This rank's critic chunks (one GPTModel per virtual pipeline stage, like
+    ``build_model_chunks``), untied, the last stage's output layer a ``ValueHead`` initialised by
+    ``init_value_head(chunks, head_seed, head_std)``. Transformer weights are megatron's init
+    until loaded (``load_hf_into_value_chunks`` or a dist checkpoint). ``build_kwargs`` go to
+    ``build_model_chunks`` unchanged (TransformerConfig overrides, packed_sequences, ...)."""
+    untied = {**hf_config, "tie_word_embeddings": False}
+    chunks = build_model_chunks(untied, layout, params_dtype, **build_kwargs)
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        if model.post_process:
+            if model.share_embeddings_and_output_weights:
+                raise AssertionError("critic chunk was built with tied embeddings")
+            model.output_layer = ValueHead(model.config)
+    init_value_head(chunks, head_seed, hf_config.get("initializer_range", 0.02) if head_std is None else head_std)
+    return chunks
+
+
+def init_value_head(chunks: list, seed: int = 0, std: float = 0.02) -> None:
+    """Set every value head to the same N(0, std^2) draw from ``torch.Generator().manual_seed(seed)``
+    (identical on every rank and layout; std=0 gives zeros)."""
+    for head in value_heads(chunks):
+        generator = torch.Generator().manual_seed(seed)
+        full = torch.randn(head.weight.shape, generator=generator, dtype=torch.float32) * std
+        with torch.no_grad():
+            head.weight.copy_(full)
+
+
+def load_hf_into_value_chunks(chunks: list, ckpt: HFCheckpoint, layout: MegatronLayout,
+                              head_seed: int = 0, head_std: float | None = None) -> None:
+    """Fill this rank's critic chunks from an HF causal-LM checkpoint (the policy's): every
+    embedding/transformer/norm weight as ``load_hf_into_chunks`` would, lm_head skipped, and the
+    value head re-initialised by ``init_value_head`` (a fresh critic on top of the policy)."""
+    from parallel.convert import _check_names, fill_local_tensor, this_megatron_rank
+    from parallel.shards import megatron_shards
+
+    expected = megatron_shards(ckpt.config, layout)[this_megatron_rank()]
+    with torch.no_grad():
+        for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
+            params = {name: p for name, p in unwrap_model(chunk).named_parameters()
+                      if not name.startswith("output_layer.")}
+            tensors = {name: t for name, t in tensors.items() if not name.startswith("output_layer.")}
+            _check_names(index, set(params), set(tensors))
+            for name, param in params.items():
+                fill_local_tensor(param.data, tensors[name], ckpt)
+    std = ckpt.config.get("initializer_range", 0.02) if head_std is None else head_std
+    init_value_head(chunks, head_seed, std)
+
+
+def init_value_params_layout_independent(chunks: list, seed: int, vocab_size: int, std: float = 0.02,
+                                         head_seed: int = 0, head_std: float = 0.02) -> None:
+    """``init_params_layout_independent`` for critic chunks (it would treat the [1, hidden] head as
+    a vocab matrix): every other parameter from (seed, global name), the head by ``init_value_head``."""
+    from parallel.layout import init_params_layout_independent
+
+    models = [unwrap_model(c) for c in chunks]
+    heads = {}
+    for index, model in enumerate(models):
+        if isinstance(getattr(model, "output_layer", None), ValueHead):
+            heads[index] = model.output_layer
+            model.output_layer = torch.nn.Module()  # no parameters while the rest is drawn
+    try:
+        init_params_layout_independent(chunks, seed, vocab_size, std)
+    finally:
+        for index, head in heads.items():
+            models[index].output_layer = head
+    init_value_head(chunks, head_seed, head_std)
+
+
+def values_from_output(output: torch.Tensor) -> torch.Tensor:
+    """GPTModel's critic output [b, s, 1] -> values [b, s] (fp32)."""
+    if output.dim() != 3 or output.shape[-1] != 1:
+        raise ValueError(f"expected critic output [b, s, 1], got {list(output.shape)}: is this a value model?")
+    return output.squeeze(-1).float()
+
+
+def megatron_values(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Values [batch, seq] (fp32) of ``tokens`` through megatron's forward-only schedule at any
+    TP/PP/VPP/CP/SP layout; returned on the last pipeline stage (every TP/CP rank), None elsewhere.
+    With VPP the batch must split into PP micro-batches (as in ``megatron_logits``)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from parallel.context_parallel import split_for_context_parallel
+    from parallel.convert import undo_context_parallel_split
+
+    collected = []
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
+        local = split_for_context_parallel({"tokens": batch, "position_ids": positions})
+        output = model(local["tokens"], local["position_ids"], attention_mask=None)
+
+        def keep(output_tensor):
+            values = undo_context_parallel_split(output_tensor, local["position_ids"])
+            collected.append(values_from_output(values))
+            return output_tensor.sum() * 0.0, {}
+
+        return output, keep
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    num_micro = pp if len(chunks) > 1 else 1
+    if tokens.shape[0] % num_micro:
+        raise ValueError(f"batch of {tokens.shape[0]} sequences cannot be split into {num_micro} micro-batches "
+                         f"(interleaved pipeline needs PP={pp}); use a multiple of {num_micro}")
+    micro_batches = list(tokens.chunk(num_micro))
+    iterators = [iter(micro_batches) for _ in chunks]
+    was_training = [unwrap_model(c).training for c in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=num_micro, seq_length=tokens.shape[1], micro_batch_size=micro_batches[0].shape[0],
+            forward_only=True,
+        )
+    finally:
+        for chunk, training in zip(chunks, was_training):
+            chunk.train(training)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat(collected).detach()
+
