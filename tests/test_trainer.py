@@ -72,7 +72,8 @@ def _metrics(out) -> list[dict]:
 
 def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
     steps = 24
-    common = dict(**{"trainer.total_steps": steps, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 1})
+    common = {"trainer.total_steps": steps, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 1,
+              "data.batch_size": 16, "rollout.n": 8, "actor.micro_batch_size": 16, "ref.micro_batch_size": 16}
     code, output = _run(_overrides(prompts, tmp_path / "grpo", **common), timeout_s=900)
     assert code == 0, output[-3000:]
     code, control_output = _run(_overrides(prompts, tmp_path / "control", **common, **{"actor.optim.lr": 0.0,
