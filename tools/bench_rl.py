@@ -1,0 +1,474 @@
+"""Benchmark one GRPO step: megarl's trainer vs TRL's GRPOTrainer on the same work. Prints a table.
+
+    bash ci/setup_bench_env.sh     # once: .venv-bench with TRL (never in the package's environment)
+    .venv/bin/python tools/bench_rl.py [--frameworks megarl,trl] [--presets bench-qwen2-300k,small-qwen2-20m]
+        [--lengths 8,16] [--threads 2] [--warmup 2] [--steps 5] [--output runs/bench_rl.json]
+
+Each case (preset x completion length L) runs both frameworks, one after the other, on:
+
+* the same local HF model directory (``save_tiny_hf_model(preset, dir, seed)`` plus the char
+  tokenizer), fp32, random init;
+* the same prompts: 16 synthetic arithmetic problems per step (``make_arith_problems``), 8
+  completions each = 128 completions per step, of fixed length L (TRL: ``max_completion_length=L``,
+  ``min_new_tokens=L``; megarl: ``rollout.ignore_eos``), checked after the run; temperature 1.0;
+* the same reward (``arithmetic.compute_score`` with partial credit, so groups differ);
+* one optimizer step per generation batch (no reuse: ``num_iterations=1``), Adam lr 1e-6 constant,
+  no weight decay, grad clip 1.0, no KL and no reference model, no evaluation, no checkpoints;
+* the same threads: ``OMP_NUM_THREADS=--threads``, both process trees pinned to the same
+  ``--threads`` CPUs.
+
+TRL runs in .venv-bench (``MEGARL_BENCH_VENV`` overrides) as ``bench_rl.py --side trl``; its
+step time is measured from ``on_step_begin`` to ``on_step_end`` of a TrainerCallback and its
+phases from TRL's own profiling contexts (``generate``: ``transformers.generate``; ``update``:
+the step minus ``_prepare_inputs``, i.e. forward + backward + optimizer). megarl runs as
+``megarl train <config> [--megarl-override key=value ...]`` (the ``megarl`` next to this
+Python); its times are the ``time/*`` entries of ``<output_dir>/metrics.jsonl``. The first
+``--warmup`` steps are excluded; times are means over the ``--steps`` timed steps. Peak memory is
+the largest summed PSS of the side's process tree, sampled every 0.5 s. ``speedup`` is TRL's
+s/step over megarl's (> 1: megarl is faster).
+
+The machine's load average is printed with the table: another busy process makes 2-thread steps
+many times slower (../shared/notes/rl_on_cpu.md); compare numbers only from a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PRESETS = ("bench-qwen2-300k", "small-qwen2-20m")
+FRAMEWORKS = ("megarl", "trl")
+PROMPTS_PER_STEP = 16
+SAMPLES_PER_PROMPT = 8
+COMPLETIONS_PER_STEP = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+PARTIAL_CREDIT_SCALE = 10.0  # dense reward: random completions already score differently within a group
+RESULT_PREFIX = "BENCH_RL_RESULT "
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def emit_result(result: dict) -> None:
+    """A child side's answer to the parent: one prefixed JSON line on stdout."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+# ------------------------------------------------------------------------ child sides
+
+
+def prepare_side(args: argparse.Namespace) -> None:
+    """Build each preset's model directory (weights + char tokenizer) and megarl's prompt file."""
+    import torch
+    import transformers
+
+    from megarl.data.prepare import write_synthetic_arith
+    from model_specs.presets import PRESETS as ALL_PRESETS, save_tiny_hf_model
+    from model_specs.tokenizer import save_char_tokenizer
+
+    unknown = [p for p in args.presets if p not in ALL_PRESETS]
+    if unknown:
+        raise SystemExit(f"bench_rl: unknown preset(s) {unknown}; model_specs/presets.py has {sorted(ALL_PRESETS)}")
+    workdir = Path(args.workdir)
+    params = {}
+    for preset in args.presets:
+        model_dir = save_tiny_hf_model(preset, workdir / "models" / preset, seed=args.seed)
+        save_char_tokenizer(model_dir)
+        weights = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        params[preset] = sum(p.numel() for p in weights.parameters())
+    write_synthetic_arith(workdir / "arith.parquet", args.num_prompts, seed=args.seed,
+                          partial_credit_scale=PARTIAL_CREDIT_SCALE)
+    emit_result({"params": params, "torch": torch.__version__, "transformers": transformers.__version__})
+
+
+def trl_side(args: argparse.Namespace) -> None:
+    """One TRL GRPOTrainer run; per-step times and completion lengths of the timed steps."""
+    import resource
+
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from trl.extras.profiling import ProfilingContext
+
+    from megarl.rewards.arithmetic import compute_score, make_arith_problems
+
+    torch.set_num_threads(args.threads)
+    total = args.warmup + args.steps
+    phases: dict[str, float] = {}
+    lengths: list[int] = []
+
+    def record_phase(self, duration: float) -> None:  # TRL hands its timings only to W&B/MLflow
+        name = self.name.split(".", 1)[-1]
+        phases[name] = phases.get(name, 0.0) + duration
+
+    ProfilingContext._log_metrics = record_phase
+
+    class StepTimer(transformers.TrainerCallback):
+        def __init__(self):
+            self.steps: list[dict] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            phases.clear()
+            lengths.clear()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append({"step_s": time.perf_counter() - self.start, "phases": dict(phases),
+                               "lengths": list(lengths)})
+
+    def arithmetic_reward(completions, answer, completion_ids, **_):
+        lengths.extend(len(ids) for ids in completion_ids)
+        return [compute_score(c, a, partial_credit_scale=PARTIAL_CREDIT_SCALE) for c, a in zip(completions, answer)]
+
+    problems = make_arith_problems(PROMPTS_PER_STEP * total, seed=args.seed)
+    dataset = datasets.Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
+    config = trl.GRPOConfig(
+        output_dir=str(Path(args.workdir) / "trl-output"), use_cpu=True, bf16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=COMPLETIONS_PER_STEP // args.micro_batch,
+        num_generations=SAMPLES_PER_PROMPT, max_completion_length=args.length,
+        generation_kwargs={"min_new_tokens": args.length}, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, num_iterations=1, loss_type="grpo", learning_rate=args.lr, lr_scheduler_type="constant",
+        weight_decay=0.0, max_grad_norm=1.0, max_steps=total, logging_steps=total, save_strategy="no",
+        report_to="none", disable_tqdm=True, seed=args.seed, shuffle_dataset=False, dataloader_num_workers=0,
+    )
+    timer = StepTimer()
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[arithmetic_reward], args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+
+    timed = timer.steps[args.warmup:]
+    if len(timed) != args.steps:
+        raise RuntimeError(f"TRL ran {len(timer.steps)} steps, expected {total}")
+    for step in timed:
+        if len(step["lengths"]) != COMPLETIONS_PER_STEP or set(step["lengths"]) != {args.length}:
+            raise RuntimeError(f"TRL completions are not {COMPLETIONS_PER_STEP} x {args.length} tokens: "
+                               f"{len(step['lengths'])} completions, lengths {sorted(set(step['lengths']))}")
+    step_s = mean(s["step_s"] for s in timed)
+    trl_phases = {name: mean(s["phases"].get(name, 0.0) for s in timed) for name in timed[0]["phases"]}
+    emit_result({
+        "step_s": step_s,
+        "step_s_each": [s["step_s"] for s in timed],
+        "tokens_per_step": mean(sum(s["lengths"]) for s in timed),
+        "generate_s": trl_phases["transformers.generate"],
+        "update_s": step_s - trl_phases["_prepare_inputs"],
+        "phases": trl_phases,
+        "maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+    })
+
+
+# ------------------------------------------------------------------------ parent: running the sides
+
+
+class SideFailed(RuntimeError):
+    pass
+
+
+def tree_pss(pid: int) -> int:
+    """Proportional set size of a process and its descendants, in bytes (shared pages counted once)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """End a side that overran or was interrupted: its process and every descendant, by pid."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
+def run_side(name: str, cmd: list[str], log_path: Path, threads: int, timeout: float) -> dict:
+    """Run one side with ``threads`` threads on ``threads`` CPUs; wall time, peak tree PSS, its result line."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    peak = 0
+    start = time.monotonic()
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        try:
+            while proc.poll() is None:
+                peak = max(peak, tree_pss(proc.pid))
+                if time.monotonic() - start > timeout:
+                    raise SideFailed(f"{name} ran past --timeout {timeout:.0f} s")
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                stop_tree(proc)
+    wall = time.monotonic() - start
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0:
+        tail = "\n".join(text.splitlines()[-25:])
+        raise SideFailed(f"{name} exited with status {proc.returncode}; log {log_path}, last lines:\n{tail}")
+    results = [line[len(RESULT_PREFIX):] for line in text.splitlines() if line.startswith(RESULT_PREFIX)]
+    result = json.loads(results[-1]) if results else {}
+    return dict(result, wall_s=wall, peak_gb=peak / 2**30)
+
+
+def bench_python() -> Path:
+    venv = Path(os.environ.get("MEGARL_BENCH_VENV", ROOT / ".venv-bench"))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"bench_rl: no benchmark environment at {venv} (TRL's side runs there); "
+                         "create it with `bash ci/setup_bench_env.sh`")
+    return python
+
+
+def run_trl(args, root: Path, preset: str, length: int, workdir: Path) -> dict:
+    cmd = [str(bench_python()), str(Path(__file__).resolve()), "--side", "trl", "--model-dir",
+           str(root / "models" / preset), "--length", str(length), "--threads", str(args.threads),
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr),
+           "--micro-batch", str(args.micro_batch), "--seed", str(args.seed), "--workdir", str(workdir)]
+    result = run_side("TRL", cmd, workdir / "trl.log", args.threads, args.timeout)
+    if "step_s" not in result:
+        raise SideFailed(f"TRL printed no result line; log {workdir / 'trl.log'}")
+    return result
+
+
+def megarl_config(args, model_dir: Path, data_file: Path, length: int, output_dir: Path) -> dict:
+    """The run config of the megarl side: the same work as TRL's (see the module docstring)."""
+    return {
+        "defaults": ["algorithm/grpo", "layout/tp1", "cluster/local-cpu"],
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "actor": {"optim": {"lr": args.lr, "weight_decay": 0.0, "clip_grad": 1.0, "lr_schedule": "constant"},
+                  "micro_batch_size": args.micro_batch, "kl_loss": {"enabled": False}},
+        "ref": {"enabled": False},
+        "rollout": {"n": SAMPLES_PER_PROMPT, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                    "max_new_tokens": length, "ignore_eos": True},
+        "data": {"train_files": [str(data_file)], "batch_size": PROMPTS_PER_STEP, "prompt_template": "{prompt}",
+                 "shuffle": False},
+        "trainer": {"total_steps": args.warmup + args.steps, "save_every": 0, "resume": "none",
+                    "output_dir": str(output_dir), "seed": args.seed, "loggers": ["console"], "log_every": 1},
+        "cluster": {"cpu_ranks_per_node": 1},
+    }
+
+
+def run_megarl(args, root: Path, preset: str, length: int, workdir: Path) -> dict:
+    cli = Path(sys.executable).parent / "megarl"
+    if not cli.exists():
+        raise SideFailed(f"no megarl command next to {sys.executable}; run this tool with the package's "
+                         "environment (.venv/bin/python, made by ci/setup_env.sh)")
+    output_dir = workdir / "megarl-output"
+    config_path = workdir / "megarl.yaml"
+    # JSON is YAML: the config loader reads it as is.
+    config = megarl_config(args, root / "models" / preset, root / "arith.parquet", length, output_dir)
+    config_path.write_text(json.dumps(config, indent=2))
+    result = run_side("megarl", [str(cli), "train", str(config_path), *args.megarl_override],
+                      workdir / "megarl.log", args.threads, args.timeout)
+    metrics_path = output_dir / "metrics.jsonl"
+    if not metrics_path.exists():
+        raise SideFailed(f"megarl wrote no {metrics_path}; log {workdir / 'megarl.log'}")
+    records = sorted((json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()),
+                     key=lambda r: r["step"])
+    timed = records[args.warmup:]
+    if len(timed) != args.steps:
+        raise SideFailed(f"megarl logged {len(records)} steps in {metrics_path}, expected {args.warmup + args.steps}")
+    lengths = sorted({r["response_length/mean"] for r in timed})
+    if any(abs(x - length) > 1e-6 for x in lengths):
+        raise SideFailed(f"megarl completions are not {length} tokens long: response_length/mean {lengths}")
+    phases = {key[len("time/"):].removesuffix("_s"): mean(r[key] for r in timed)
+              for key in timed[0] if key.startswith("time/") and key != "time/step_s"}
+    return dict(
+        result,
+        step_s=mean(r["time/step_s"] for r in timed),
+        step_s_each=[r["time/step_s"] for r in timed],
+        tokens_per_step=mean(r["response_length/mean"] for r in timed) * COMPLETIONS_PER_STEP,
+        generate_s=phases["generate"],
+        update_s=phases["update"],
+        phases=phases,
+        reported={key: mean(r[key] for r in timed) for key in timed[0] if key.startswith("throughput/")},
+    )
+
+
+# ------------------------------------------------------------------------ parent: the report
+
+
+def table(cases: list[dict]) -> str:
+    head = (f"{'case':<24} {'framework':<9} {'s/step':>8} {'compl/s':>8} {'tok/s':>8} {'gen s':>7} "
+            f"{'update s':>8} {'other s':>7} {'peak GB':>7} {'speedup':>8}")
+    lines = [head, "-" * len(head)]
+    for case in cases:
+        label = f"{case['preset']} L={case['length']}"
+        for framework, r in case["results"].items():
+            if "error" in r:
+                lines.append(f"{label:<24} {framework:<9} failed: {r['error'].splitlines()[0]}")
+            else:
+                other = r["step_s"] - r["generate_s"] - r["update_s"]
+                speedup = f"{case['speedup']:.2f}x" if framework == "megarl" and "speedup" in case else ""
+                lines.append(
+                    f"{label:<24} {framework:<9} {r['step_s']:>8.3f} {r['completions_per_s']:>8.1f} "
+                    f"{r['tokens_per_s']:>8.0f} {r['generate_s']:>7.3f} {r['update_s']:>8.3f} {other:>7.3f} "
+                    f"{r['peak_gb']:>7.2f} {speedup:>8}")
+            label = ""
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma list of megarl, trl")
+    parser.add_argument("--presets", default=",".join(PRESETS), help="comma list of model_specs presets")
+    parser.add_argument("--lengths", default="8,16", help="comma list of fixed completion lengths")
+    parser.add_argument("--threads", type=int, default=2, help="threads (and CPUs) of each side")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--micro-batch", type=int, default=COMPLETIONS_PER_STEP,
+                        help=f"completions per forward/backward pass, both sides (divides {COMPLETIONS_PER_STEP})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per side and case")
+    parser.add_argument("--megarl-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra `megarl train` override (repeatable)")
+    parser.add_argument("--output", default="runs/bench_rl.json", help="JSON report")
+    parser.add_argument("--workdir", default=None, help="parent of the temporary directory (models, logs)")
+    parser.add_argument("--keep-workdir", action="store_true", help="keep models, configs and logs")
+    # Internal: the child sides.
+    parser.add_argument("--side", choices=("prepare", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--num-prompts", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    args.frameworks = [f for f in args.frameworks.split(",") if f]
+    args.presets = [p for p in args.presets.split(",") if p]
+    problems = [f"--frameworks: unknown {f!r}; choose from {', '.join(FRAMEWORKS)}"
+                for f in args.frameworks if f not in FRAMEWORKS]
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",") if x]
+    except ValueError:
+        problems.append(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    if args.micro_batch < 1 or COMPLETIONS_PER_STEP % args.micro_batch:
+        problems.append(f"--micro-batch must divide {COMPLETIONS_PER_STEP}, got {args.micro_batch}")
+    if args.threads > len(os.sched_getaffinity(0)) or args.threads < 1:
+        problems.append(f"--threads {args.threads}: this process may use {len(os.sched_getaffinity(0))} CPUs")
+    if args.warmup < 0 or args.steps < 1:
+        problems.append(f"need --warmup >= 0 and --steps >= 1, got {args.warmup}, {args.steps}")
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.side == "prepare":
+        prepare_side(args)
+        return 0
+    if args.side == "trl":
+        trl_side(args)
+        return 0
+
+    if "trl" in args.frameworks:
+        bench_python()
+    load_start = os.getloadavg()
+    log(f"load average {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} on {os.cpu_count()} CPUs; "
+        f"{args.threads} threads per side")
+    workdir = Path(tempfile.mkdtemp(prefix="bench_rl_", dir=args.workdir))
+    cases: list[dict] = []
+    succeeded = False
+    try:
+        log(f"building models {', '.join(args.presets)} and prompts in {workdir}")
+        num_prompts = PROMPTS_PER_STEP * (args.warmup + args.steps)
+        try:
+            prepared = run_side("prepare", [sys.executable, str(Path(__file__).resolve()), "--side", "prepare",
+                                            "--presets", ",".join(args.presets), "--workdir", str(workdir),
+                                            "--seed", str(args.seed), "--num-prompts", str(num_prompts)],
+                                workdir / "prepare.log", args.threads, args.timeout)
+        except SideFailed as error:
+            raise SystemExit(f"bench_rl: building the models and prompts failed: {error}") from None
+        for preset in args.presets:
+            for length in args.lengths:
+                case = {"preset": preset, "params": prepared["params"][preset], "length": length, "results": {}}
+                case_dir = workdir / f"{preset}-L{length}"
+                for framework in sorted(args.frameworks, key=FRAMEWORKS[::-1].index):  # trl first
+                    (case_dir / framework).mkdir(parents=True)
+                    log(f"{preset} ({case['params'] / 1e6:.2f}M params) L={length}: {framework}")
+                    runner = run_trl if framework == "trl" else run_megarl
+                    try:
+                        r = runner(args, workdir, preset, length, case_dir / framework)
+                    except SideFailed as error:
+                        log(f"{framework} failed: {error}")
+                        case["results"][framework] = {"error": str(error)}
+                        continue
+                    r["completions_per_s"] = COMPLETIONS_PER_STEP / r["step_s"]
+                    r["tokens_per_s"] = r["tokens_per_step"] / r["step_s"]
+                    case["results"][framework] = r
+                    log(f"{framework}: {r['step_s']:.3f} s/step, {r['completions_per_s']:.1f} completions/s")
+                results = case["results"]
+                if all("step_s" in results.get(f, {}) for f in FRAMEWORKS):
+                    case["speedup"] = results["trl"]["step_s"] / results["megarl"]["step_s"]
+                cases.append(case)
+        succeeded = not any("error" in r for c in cases for r in c["results"].values())
+    finally:
+        if args.keep_workdir or not succeeded:  # a failed side's log stays readable
+            log(f"kept {workdir}")
+        else:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    load_end = os.getloadavg()
+    report = {
+        "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "micro_batch": args.micro_batch,
+        "completions_per_step": COMPLETIONS_PER_STEP, "cpus": os.cpu_count(),
+        "loadavg_start": load_start, "loadavg_end": load_end,
+        "main_env": {"torch": prepared["torch"], "transformers": prepared["transformers"]}, "cases": cases,
+    }
+    print()
+    print(table(cases))
+    print(f"speedup = TRL s/step / megarl s/step; gen/update/other = per-step phase means; peak = process-tree PSS. "
+          f"Load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end ({os.cpu_count()} CPUs).")
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {output}")
+    return 0 if succeeded else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
