@@ -13,7 +13,11 @@ Each case (preset x completion length L) runs both frameworks, one after the oth
   ``min_new_tokens=L``; megarl: ``rollout.ignore_eos``), checked after the run; temperature 1.0;
 * the same reward (``arithmetic.compute_score`` with partial credit, so groups differ);
 * one optimizer step per generation batch (no reuse: ``num_iterations=1``), Adam lr 1e-6 constant,
-  no weight decay, grad clip 1.0, no KL and no reference model, no evaluation, no checkpoints;
+  no weight decay, grad clip 1.0, no KL and no reference model, no evaluation, no checkpoint before
+  the last step (megarl saves once at the end, outside the timed steps);
+* forward + backward over ``--micro-batch`` completions at a time (default: all 128 at once), no
+  activation recomputation (TRL's defaults, gradient checkpointing and bf16, are turned off;
+  with them and 8 completions per micro-batch TRL is ~1.6x slower, as in the note's numbers);
 * the same threads: ``OMP_NUM_THREADS=--threads``, both process trees pinned to the same
   ``--threads`` CPUs.
 
@@ -23,7 +27,8 @@ phases from TRL's own profiling contexts (``generate``: ``transformers.generate`
 the step minus ``_prepare_inputs``, i.e. forward + backward + optimizer). megarl runs as
 ``megarl train <config> [--megarl-override key=value ...]`` (the ``megarl`` next to this
 Python); its times are the ``time/*`` entries of ``<output_dir>/metrics.jsonl``. The first
-``--warmup`` steps are excluded; times are means over the ``--steps`` timed steps. Peak memory is
+``--warmup`` steps are excluded; times are medians over the ``--steps`` timed steps (robust to
+the bursts of other processes on a shared machine; the JSON keeps every step). Peak memory is
 the largest summed PSS of the side's process tree, sampled every 0.5 s. ``speedup`` is TRL's
 s/step over megarl's (> 1: megarl is faster).
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +59,7 @@ SAMPLES_PER_PROMPT = 8
 COMPLETIONS_PER_STEP = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
 PARTIAL_CREDIT_SCALE = 10.0  # dense reward: random completions already score differently within a group
 RESULT_PREFIX = "BENCH_RL_RESULT "
+MEGARL_METRICS = ("step", "time/step_s", "time/generate_s", "time/update_s", "response_length/mean")
 
 
 def log(message: str) -> None:
@@ -64,9 +71,9 @@ def emit_result(result: dict) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
+def medians(rows: list[dict]) -> dict:
+    """Per key, the median over rows (one row per timed step)."""
+    return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
 
 
 # ------------------------------------------------------------------------ child sides
@@ -126,11 +133,12 @@ def trl_side(args: argparse.Namespace) -> None:
         def on_step_begin(self, args, state, control, **kwargs):
             phases.clear()
             lengths.clear()
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.steps.append({"step_s": time.perf_counter() - self.start, "phases": dict(phases),
-                               "lengths": list(lengths)})
+            self.steps.append({"step_s": time.perf_counter() - self.start,
+                               "cpu_s": time.process_time() - self.cpu_start,
+                               "phases": dict(phases), "lengths": list(lengths)})
 
     def arithmetic_reward(completions, answer, completion_ids, **_):
         lengths.extend(len(ids) for ids in completion_ids)
@@ -162,15 +170,16 @@ def trl_side(args: argparse.Namespace) -> None:
         if len(step["lengths"]) != COMPLETIONS_PER_STEP or set(step["lengths"]) != {args.length}:
             raise RuntimeError(f"TRL completions are not {COMPLETIONS_PER_STEP} x {args.length} tokens: "
                                f"{len(step['lengths'])} completions, lengths {sorted(set(step['lengths']))}")
-    step_s = mean(s["step_s"] for s in timed)
-    trl_phases = {name: mean(s["phases"].get(name, 0.0) for s in timed) for name in timed[0]["phases"]}
+    rows = [{"step_s": s["step_s"],
+             "cpu_s": s["cpu_s"],  # CPU seconds of all threads: less sensitive to a busy machine than wall time
+             "generate_s": s["phases"]["transformers.generate"],
+             "update_s": s["step_s"] - s["phases"]["_prepare_inputs"],
+             "other_s": s["phases"]["_prepare_inputs"] - s["phases"]["transformers.generate"],
+             "tokens_per_step": sum(s["lengths"])} for s in timed]
     emit_result({
-        "step_s": step_s,
+        **medians(rows),
         "step_s_each": [s["step_s"] for s in timed],
-        "tokens_per_step": mean(sum(s["lengths"]) for s in timed),
-        "generate_s": trl_phases["transformers.generate"],
-        "update_s": step_s - trl_phases["_prepare_inputs"],
-        "phases": trl_phases,
+        "phases": medians([s["phases"] for s in timed]),
         "maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
     })
@@ -184,7 +193,7 @@ class SideFailed(RuntimeError):
 
 
 def tree_pss(pid: int) -> int:
-    """Proportional set size of a process and its descendants, in bytes (shared pages counted once)."""
+    """Summed PSS of a process and its descendants, in bytes (a shared page is split among its sharers)."""
     import psutil
 
     try:
@@ -305,25 +314,29 @@ def run_megarl(args, root: Path, preset: str, length: int, workdir: Path) -> dic
     metrics_path = output_dir / "metrics.jsonl"
     if not metrics_path.exists():
         raise SideFailed(f"megarl wrote no {metrics_path}; log {workdir / 'megarl.log'}")
-    records = sorted((json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()),
-                     key=lambda r: r["step"])
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    missing = sorted({key for r in records for key in MEGARL_METRICS if key not in r})
+    if missing:
+        raise SideFailed(f"{metrics_path} lacks {missing} in some steps; this benchmark reads {MEGARL_METRICS}")
+    records.sort(key=lambda r: r["step"])
     timed = records[args.warmup:]
     if len(timed) != args.steps:
         raise SideFailed(f"megarl logged {len(records)} steps in {metrics_path}, expected {args.warmup + args.steps}")
     lengths = sorted({r["response_length/mean"] for r in timed})
     if any(abs(x - length) > 1e-6 for x in lengths):
         raise SideFailed(f"megarl completions are not {length} tokens long: response_length/mean {lengths}")
-    phases = {key[len("time/"):].removesuffix("_s"): mean(r[key] for r in timed)
-              for key in timed[0] if key.startswith("time/") and key != "time/step_s"}
+    phases = medians([{key[len("time/"):].removesuffix("_s"): value for key, value in r.items()
+                       if key.startswith("time/")} for r in timed])
     return dict(
         result,
-        step_s=mean(r["time/step_s"] for r in timed),
+        step_s=phases.pop("step"),
         step_s_each=[r["time/step_s"] for r in timed],
-        tokens_per_step=mean(r["response_length/mean"] for r in timed) * COMPLETIONS_PER_STEP,
+        tokens_per_step=length * COMPLETIONS_PER_STEP,
         generate_s=phases["generate"],
         update_s=phases["update"],
+        other_s=statistics.median(r["time/step_s"] - r["time/generate_s"] - r["time/update_s"] for r in timed),
         phases=phases,
-        reported={key: mean(r[key] for r in timed) for key in timed[0] if key.startswith("throughput/")},
+        reported=medians([{key: value for key, value in r.items() if key.startswith("throughput/")} for r in timed]),
     )
 
 
@@ -340,11 +353,10 @@ def table(cases: list[dict]) -> str:
             if "error" in r:
                 lines.append(f"{label:<24} {framework:<9} failed: {r['error'].splitlines()[0]}")
             else:
-                other = r["step_s"] - r["generate_s"] - r["update_s"]
                 speedup = f"{case['speedup']:.2f}x" if framework == "megarl" and "speedup" in case else ""
                 lines.append(
                     f"{label:<24} {framework:<9} {r['step_s']:>8.3f} {r['completions_per_s']:>8.1f} "
-                    f"{r['tokens_per_s']:>8.0f} {r['generate_s']:>7.3f} {r['update_s']:>8.3f} {other:>7.3f} "
+                    f"{r['tokens_per_s']:>8.0f} {r['generate_s']:>7.3f} {r['update_s']:>8.3f} {r['other_s']:>7.3f} "
                     f"{r['peak_gb']:>7.2f} {speedup:>8}")
             label = ""
     return "\n".join(lines)
@@ -461,7 +473,7 @@ def main(argv=None) -> int:
     }
     print()
     print(table(cases))
-    print(f"speedup = TRL s/step / megarl s/step; gen/update/other = per-step phase means; peak = process-tree PSS. "
+    print(f"speedup = TRL s/step / megarl s/step; gen/update/other = per-step phase medians; peak = process-tree PSS. "
           f"Load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end ({os.cpu_count()} CPUs).")
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
