@@ -10,7 +10,7 @@ replicas (TP-replicated norms, the tied output layer) agree bit for bit.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -219,10 +219,11 @@ def prompt_logits(chunks: list, prompt: torch.Tensor) -> torch.Tensor | None:
     return None if logits is None else logits[:1]
 
 
-def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocab (padded) logits [batch, seq, vocab] of ``tokens`` through megatron's forward-only
-    schedule at any TP/PP/VPP/CP layout; returned on the last pipeline stage, None elsewhere."""
-    from megatron.core import parallel_state, tensor_parallel
+def forward_only_outputs(chunks: list, tokens: torch.Tensor, keep: Callable, what: str = "sequences") -> torch.Tensor | None:
+    """``keep(output_tensor, local_position_ids)`` of every micro-batch of ``tokens`` through
+    megatron's forward-only schedule at any TP/PP/VPP/CP layout, concatenated over the batch on
+    the last pipeline stage (None elsewhere)."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     collected = []
@@ -233,18 +234,17 @@ def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
         local = split_for_context_parallel({"tokens": batch, "position_ids": positions})
         output = model(local["tokens"], local["position_ids"], attention_mask=None)
 
-        def keep(output_tensor):
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(output_tensor)
-            collected.append(undo_context_parallel_split(logits, local["position_ids"]))
+        def collect(output_tensor):
+            collected.append(keep(output_tensor, local["position_ids"]))
             return output_tensor.sum() * 0.0, {}
 
-        return output, keep
+        return output, collect
 
     # The interleaved schedule needs at least PP micro-batches: split the batch into PP of them.
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     num_micro = pp if len(chunks) > 1 else 1
     if tokens.shape[0] % num_micro:
-        raise ValueError(f"batch of {tokens.shape[0]} prompts cannot be split into {num_micro} micro-batches "
+        raise ValueError(f"batch of {tokens.shape[0]} {what} cannot be split into {num_micro} micro-batches "
                          f"(interleaved pipeline needs PP={pp}); use a multiple of {num_micro}")
     micro_batches = list(tokens.chunk(num_micro))
     iterators = [iter(micro_batches) for _ in chunks]
@@ -258,6 +258,18 @@ def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return torch.cat(collected).detach()
+
+
+def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocab (padded) logits [batch, seq, vocab] of ``tokens`` through megatron's forward-only
+    schedule at any TP/PP/VPP/CP layout; returned on the last pipeline stage, None elsewhere."""
+    from megatron.core import tensor_parallel
+
+    def keep(output_tensor, positions):
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(output_tensor)
+        return undo_context_parallel_split(logits, positions)
+
+    return forward_only_outputs(chunks, tokens, keep, what="prompts")
 
 
 # ----------------------------------------------------------------------------- conversion jobs

@@ -198,49 +198,17 @@ def megatron_values(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
     """Values [batch, seq] (fp32) of ``tokens`` through megatron's forward-only schedule at any
     TP/PP/VPP/CP/SP layout; returned on the last pipeline stage (every TP/CP rank), None elsewhere.
     With VPP the batch must split into PP micro-batches (as in ``megatron_logits``)."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from parallel.convert import forward_only_outputs, undo_context_parallel_split
 
-    from parallel.context_parallel import split_for_context_parallel
-    from parallel.convert import undo_context_parallel_split
+    def keep(output_tensor, positions):
+        return values_from_output(undo_context_parallel_split(output_tensor, positions))
 
-    collected = []
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
-        local = split_for_context_parallel({"tokens": batch, "position_ids": positions})
-        output = model(local["tokens"], local["position_ids"], attention_mask=None)
-
-        def keep(output_tensor):
-            values = undo_context_parallel_split(output_tensor, local["position_ids"])
-            collected.append(values_from_output(values))
-            return output_tensor.sum() * 0.0, {}
-
-        return output, keep
-
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    num_micro = pp if len(chunks) > 1 else 1
-    if tokens.shape[0] % num_micro:
-        raise ValueError(f"batch of {tokens.shape[0]} sequences cannot be split into {num_micro} micro-batches "
-                         f"(interleaved pipeline needs PP={pp}); use a multiple of {num_micro}")
-    micro_batches = list(tokens.chunk(num_micro))
-    iterators = [iter(micro_batches) for _ in chunks]
     was_training = [unwrap_model(c).training for c in chunks]
     for chunk in chunks:
         chunk.eval()
     try:
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=num_micro, seq_length=tokens.shape[1], micro_batch_size=micro_batches[0].shape[0],
-            forward_only=True,
-        )
+        return forward_only_outputs(chunks, tokens, keep)
     finally:
         for chunk, training in zip(chunks, was_training):
             chunk.train(training)
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    return torch.cat(collected).detach()
 
