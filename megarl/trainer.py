@@ -6,8 +6,8 @@ critic share those processes and their layout) and one ``RolloutWorker`` (an SGL
 
     generate -> reward -> reference / critic forward -> advantages -> update -> weight sync
 
-``grpo_step`` and ``ppo_step`` are that dataflow for the two families; everything they call is
-shared. Every step logs its metrics (console, TensorBoard, ``metrics.jsonl``), and every
+``rl_step`` is that dataflow; GRPO and PPO differ only in the critic's phases it runs. Every
+step logs its metrics (console, TensorBoard, ``metrics.jsonl``), and every
 ``trainer.save_every`` steps a checkpoint is written atomically; ``trainer.resume: auto`` continues
 from the newest complete one. SIGTERM makes the driver save before it exits.
 """
@@ -15,13 +15,10 @@ from the newest complete one. SIGTERM makes the driver save before it exits.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import math
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -320,10 +317,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ the algorithms
 
-    def rl_step(self) -> dict[str, float]:
-        """One step of the configured algorithm: GRPO-style (no critic) or PPO (critic)."""
-        return ppo_step(self) if self.cfg.critic.enabled else grpo_step(self)
-
     def fit(self) -> list[dict[str, float]]:
         """Run (or continue) until ``trainer.total_steps``; returns this process's step metrics."""
         cfg = self.cfg
@@ -333,7 +326,7 @@ class Trainer:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             while self.step < cfg.trainer.total_steps:
-                metrics = self.rl_step()
+                metrics = rl_step(self)
                 self.step += 1
                 metrics["step"] = self.step
                 history.append(metrics)
@@ -464,10 +457,12 @@ class _Timer:
 
 
 def _needs_old_logp(t: Trainer) -> bool:
-    """Off-policy passes (several epochs or mini-batches) need the pre-update log-probs; a
-    single on-policy pass uses the update's own forward (detached) instead of a second one."""
+    """Off-policy passes (several epochs or mini-batches), the KL reward penalty and PPO with a
+    critic use the pre-update log-probs; a single on-policy GRPO pass uses the update's own
+    forward (detached) instead of a second one."""
     a = t.cfg.actor
-    return a.ppo_epochs * t._minibatches_per_step(a.mini_batch_size) > 1 or t.cfg.algorithm.kl_penalty.enabled
+    return (a.ppo_epochs * t._minibatches_per_step(a.mini_batch_size) > 1 or t.cfg.algorithm.kl_penalty.enabled
+            or t.cfg.critic.enabled)
 
 
 def _common_metrics(batch: dict, scores: torch.Tensor, reward_stats: dict, metrics: dict) -> None:
@@ -479,8 +474,11 @@ def _common_metrics(batch: dict, scores: torch.Tensor, reward_stats: dict, metri
     metrics.update({f"reward/{k}": float(v) for k, v in reward_stats.items() if isinstance(v, (int, float))})
 
 
-def grpo_step(t: Trainer) -> dict[str, float]:
-    """generate -> reward -> reference -> group advantages -> actor update -> weight sync."""
+def rl_step(t: Trainer) -> dict[str, float]:
+    """generate -> reward -> reference (+ critic values) -> advantages -> update(s) -> weight sync.
+
+    GRPO-style runs (no critic) take the group baseline from the rewards; PPO (``critic.enabled``)
+    adds the critic's values, GAE, and the critic update inside ``Trainer.update``."""
     metrics: dict[str, float] = {}
     timed = _Timer(metrics)
     start = time.perf_counter()
@@ -494,31 +492,9 @@ def grpo_step(t: Trainer) -> dict[str, float]:
     if _needs_old_logp(t):
         with timed("old_logp"):
             batch["old_logp"] = t._forward("actor", batch)["logp"]
-    t.advantages(batch, scores, metrics)
-    with timed("update"):
-        metrics.update(t.update(batch))
-    with timed("sync"):
-        metrics.update(t.sync_weights())
-    _finish_metrics(t, batch, scores, reward_stats, metrics, start)
-    return metrics
-
-
-def ppo_step(t: Trainer) -> dict[str, float]:
-    """generate -> reward -> reference + critic -> GAE -> critic and actor updates -> weight sync."""
-    metrics: dict[str, float] = {}
-    timed = _Timer(metrics)
-    start = time.perf_counter()
-    with timed("generate"):
-        batch = t.generate(t.loader.next_batch())
-    with timed("reward"):
-        scores, reward_stats = t.score(batch)
-    if t.needs_reference:
-        with timed("reference"):
-            batch["ref_logp"] = t._forward("ref", batch)["logp"]
-    with timed("old_logp"):
-        batch["old_logp"] = t._forward("actor", batch)["logp"]
-    with timed("values"):
-        batch["old_values"] = t._forward("critic", batch)["values"]
+    if t.cfg.critic.enabled:
+        with timed("values"):
+            batch["old_values"] = t._forward("critic", batch)["values"]
     t.advantages(batch, scores, metrics)
     with timed("update"):
         metrics.update(t.update(batch))
