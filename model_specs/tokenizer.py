@@ -20,7 +20,7 @@ PAD_ID, EOS_ID = 0, 1
 
 def char_tokenizer():
     """A ``PreTrainedTokenizerFast``: one token per character, with a simple chat template."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<unk>": 2}
@@ -28,6 +28,7 @@ def char_tokenizer():
         vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join back without WordLevel's default spaces
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     hf.chat_template = CHAT_TEMPLATE
     return hf

@@ -1,0 +1,25 @@
+"""The local character tokenizer: text round-trips exactly, also after save/load with AutoTokenizer.
+
+The trainer decodes responses before scoring them: a decoder that put spaces between characters
+made the reward read "57" as "5 7"."""
+
+from transformers import AutoTokenizer
+
+from model_specs.tokenizer import CHARS, EOS_ID, char_tokenizer, save_char_tokenizer
+
+TEXTS = ["3+4=7", "12 + 45 = 57", "a b\nc", CHARS]
+
+
+def test_one_token_per_character_and_exact_round_trip():
+    tok = char_tokenizer()
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert len(ids) == len(text)
+        assert tok.decode(ids) == text
+
+
+def test_saved_tokenizer_decodes_the_same_and_drops_eos(tmp_path):
+    tok = AutoTokenizer.from_pretrained(save_char_tokenizer(tmp_path))
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode("57") + [EOS_ID], skip_special_tokens=True) == "57"
