@@ -1,0 +1,293 @@
+"""The dry run of a launch: what a run config asks of a cluster, before any node is allocated.
+
+``megarl plan <config> [overrides] [--gpu-memory-gib N]`` loads and validates the config, then
+states per role (actor, reference, critic, rollout) its pool, world, layout and data-parallel
+size, and the per-GPU memory (``parallel.memory``) of each role and of each pool over the phases
+of a step, against a per-GPU budget, with a verdict. The sbatch scripts in ``launch_scripts/``
+run it first (and only it, with ``--dry-run``), so a layout that cannot work or memory that
+cannot fit fails on a laptop rather than after the queue.
+
+Phases of a pool (what is on a GPU at the same time):
+
+* resident: the states of every role on the pool: the actor's and critic's parameters,
+  fp32 gradients and Adam states, the reference's parameters. megarl keeps them on the GPU for
+  the whole run (no offloading).
+* generate: resident + SGLang's static reservation (colocated rollout).
+* <role> update / forward: resident + that role's activations (and logits) + SGLang's
+  reservation: the trainer does not release the engines' memory during training (the engine
+  worker has release/resume; the trainer does not call them yet), so it is counted.
+* plus ``parallel.memory.RUNTIME_RESERVE_BYTES`` (CUDA context, NCCL, fragmentation) everywhere.
+
+SGLang's reservation is ``mem_fraction_static`` of the memory free when the engines start,
+after the colocated Megatron workers have built their models and optimizers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+from typing import Any
+
+from megarl.config.schema import RunConfig
+from parallel.memory import (
+    GiB,
+    RUNTIME_RESERVE_BYTES,
+    MemoryEstimate,
+    ModelShape,
+    RolloutMemory,
+    rollout_memory,
+    training_memory,
+)
+
+
+@dataclasses.dataclass
+class RolePlan:
+    role: str
+    pool: str
+    world: int
+    layout: str  # human-readable
+    dp: int
+    batching: str  # human-readable micro-batching / engine load
+    memory: MemoryEstimate | None = None
+    rollout: RolloutMemory | None = None
+    engines: int = 0
+
+
+@dataclasses.dataclass
+class PoolPlan:
+    name: str
+    ranks: int
+    roles: list[str]
+    resident: int
+    phases: dict[str, int]  # phase -> bytes per GPU (runtime reserve included)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def peak(self) -> int:
+        return self.phases[self.peak_phase]
+
+
+@dataclasses.dataclass
+class LaunchPlan:
+    config: RunConfig
+    budget: int
+    recompute: str
+    roles: list[RolePlan]
+    pools: list[PoolPlan]
+    problems: list[str]  # the run does not fit: one line each, naming the key and the fix
+    warnings: list[str]  # it fits, but something is worth knowing (slow, tight)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        roles = {}
+        for r in self.roles:
+            entry: dict[str, Any] = {"pool": r.pool, "world": r.world, "dp": r.dp, "layout": r.layout}
+            if r.memory is not None:
+                entry["memory_bytes"] = dict(r.memory.components)
+            if r.rollout is not None:
+                entry.update(engines=r.engines, weights_bytes=r.rollout.weights, kv_pool_bytes=r.rollout.kv_pool,
+                             kv_capacity_tokens=r.rollout.kv_capacity_tokens, tokens_needed=r.rollout.tokens_needed)
+            roles[r.role] = entry
+        return {"budget_bytes": self.budget, "fits": self.fits, "roles": roles,
+                "pools": {p.name: {"ranks": p.ranks, "roles": p.roles, "phases_bytes": p.phases,
+                                   "peak_bytes": p.peak} for p in self.pools},
+                "problems": self.problems, "warnings": self.warnings}
+
+
+def _layout_text(layout) -> str:
+    parts = [f"tp={layout.tp}", f"pp={layout.pp}", f"cp={layout.cp}", f"vpp={layout.vpp or '-'}"]
+    if layout.sequence_parallel:
+        parts.append("sp")
+    if layout.use_distributed_optimizer:
+        parts.append("dist-opt")
+    return " ".join(parts)
+
+
+def _micro_batching(cfg: RunConfig, role: str, dp: int, seq: int) -> tuple[int, int, str]:
+    """(tokens per micro-batch, micro-batches per optimizer step and DP rank, description)."""
+    section = getattr(cfg, role)
+    mini = getattr(section, "mini_batch_size", None) or cfg.data.batch_size
+    samples_per_rank = max(1, mini * cfg.rollout.n // dp)
+    budget = getattr(section, "max_tokens_per_micro_batch", None)
+    if budget is not None:
+        micro = max(1, math.ceil(samples_per_rank * seq / budget))
+        return budget, micro, f"token budget {budget}, ~{micro} micro-batches/step/rank"
+    mbs = section.micro_batch_size
+    micro = max(1, samples_per_rank // mbs)
+    return mbs * seq, micro, f"{mbs} x {seq} tokens, {micro} micro-batches/step/rank"
+
+
+def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "none") -> LaunchPlan:
+    """The launch plan of a validated config (``megarl.config.load_config``)."""
+    from megarl.config.validate import model_hf_config
+
+    hf = model_hf_config(cfg.model.path)
+    dtype = cfg.model.dtype
+    budget = int(gpu_memory_gib * GiB)
+    seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    roles: list[RolePlan] = []
+    problems: list[str] = []
+    warnings: list[str] = []
+
+    trained = [("actor", True)]
+    if cfg.ref.enabled or cfg.actor.kl_loss.enabled or cfg.algorithm.kl_penalty.enabled:
+        trained.append(("ref", False))
+    if cfg.critic.enabled:
+        trained.append(("critic", True))
+    for role, trainable in trained:
+        layout = cfg.layout_for(role)
+        world = cfg.world_size_for(role)
+        dp = world // (layout.tp * layout.pp * layout.cp)
+        model_hf = model_hf_config(cfg.critic.model_path) if role == "critic" and cfg.critic.model_path else hf
+        tokens, micro, text = _micro_batching(cfg, role, dp, seq)
+        estimate = training_memory(model_hf, layout, dp=dp, dtype=dtype, tokens_per_micro_batch=tokens,
+                                   micro_batches=micro, trainable=trainable, value_head=role == "critic",
+                                   recompute=recompute, role=role)
+        roles.append(RolePlan(role, cfg.pool_for(role), world, _layout_text(layout), dp, text, memory=estimate))
+
+    # Pools: resident training states first (SGLang sizes itself from what is left).
+    r = cfg.rollout
+    rollout_pool = cfg.pool_for("rollout")
+    pools: dict[str, PoolPlan] = {}
+    for plan in roles:
+        pool = pools.setdefault(plan.pool, PoolPlan(plan.pool, cfg.cluster.pool_sizes()[plan.pool], [], 0, {}))
+        pool.roles.append(plan.role)
+        m = plan.memory.components
+        pool.resident += m["params"] + m.get("grads", 0) + m.get("optimizer", 0)
+
+    rollout_world = cfg.world_size_for("rollout")
+    engines = max(1, rollout_world // r.tp)
+    sequences = math.ceil(cfg.data.batch_size * r.n / engines)
+    pool = pools.setdefault(rollout_pool, PoolPlan(rollout_pool, cfg.cluster.pool_sizes()[rollout_pool], [], 0, {}))
+    pool.roles.append("rollout")
+    free = budget - RUNTIME_RESERVE_BYTES - pool.resident
+    rm = rollout_memory(hf, r.tp, dtype=dtype, free_bytes=max(free, 0), mem_fraction_static=r.mem_fraction_static,
+                        sequences_per_engine=sequences, tokens_per_sequence=seq)
+    roles.append(RolePlan("rollout", rollout_pool, rollout_world, f"SGLang tp={r.tp} ({r.placement})",
+                          engines, f"{sequences} sequences/engine x {seq} tokens", rollout=rm, engines=engines))
+
+    for pool in pools.values():
+        base = pool.resident + RUNTIME_RESERVE_BYTES
+        sglang = rm.reserved if "rollout" in pool.roles else 0
+        if "rollout" in pool.roles:
+            pool.phases["generate"] = base + sglang
+        for plan in roles:
+            if plan.pool != pool.name or plan.memory is None:
+                continue
+            m = plan.memory.components
+            phase = f"{plan.role} {'update' if plan.role != 'ref' else 'forward'}"
+            pool.phases[phase] = base + m["activations"] + m["logits"] + sglang
+
+    # Verdicts.
+    if rm.kv_pool <= 0:
+        need = (rm.weights + rm.kv_per_token * seq) / max(free, 1)
+        problems.append(
+            f"rollout.mem_fraction_static={r.mem_fraction_static}: SGLang would reserve {rm.reserved / GiB:.1f} GiB "
+            f"({r.mem_fraction_static} of the {max(free, 0) / GiB:.1f} GiB free when it starts) but its weights alone "
+            f"take {rm.weights / GiB:.1f} GiB per GPU at rollout.tp={r.tp}; raise it to at least {min(need, 0.95):.2f}, "
+            "raise rollout.tp, or give the rollout its own pool (rollout.placement=separate)")
+    elif rm.concurrency_fraction < 1:
+        waves = math.ceil(rm.tokens_needed / max(rm.kv_capacity_tokens, 1))
+        warnings.append(
+            f"rollout: the KV pool holds {rm.kv_capacity_tokens} tokens per engine but a step's {sequences} sequences "
+            f"x {seq} tokens need {rm.tokens_needed}: generation runs in ~{waves} waves (slower, not an error); "
+            "raise rollout.mem_fraction_static or rollout.tp to avoid it")
+    for pool in pools.values():
+        margin = budget - pool.peak
+        if margin < 0:
+            problems.append(
+                f"pool {pool.name!r} ({', '.join(pool.roles)}): {pool.peak_phase} needs {pool.peak / GiB:.1f} GiB per GPU, "
+                f"over the {budget / GiB:.0f} GiB budget by {-margin / GiB:.1f} GiB; "
+                + _fixes(cfg, pool))
+        elif margin < 0.05 * budget:
+            warnings.append(f"pool {pool.name!r}: {pool.peak_phase} leaves only {margin / GiB:.1f} GiB of "
+                            f"{budget / GiB:.0f} GiB; allocator fragmentation may still run it out of memory")
+    return LaunchPlan(cfg, budget, recompute, roles, list(pools.values()), problems, warnings)
+
+
+def _fixes(cfg: RunConfig, pool: PoolPlan) -> str:
+    fixes = ["lower actor.micro_batch_size (or set actor.max_tokens_per_micro_batch)",
+             "raise actor.layout.tp or actor.layout.pp (more GPUs per model copy)"]
+    if not cfg.actor.layout.use_distributed_optimizer:
+        fixes.insert(0, "set actor.layout.use_distributed_optimizer=true (shards Adam over data parallel)")
+    if "rollout" in pool.roles and cfg.rollout.placement == "colocated":
+        fixes.append("lower rollout.mem_fraction_static, or give the rollout its own pool "
+                     "(cluster/gpu-32x8-split: rollout.placement=separate)")
+    return "fix: " + "; or ".join(fixes)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:6.1f}"
+
+
+def format_plan(plan: LaunchPlan) -> str:
+    cfg = plan.config
+    from megarl.config.validate import model_hf_config
+
+    shape = ModelShape.from_hf(model_hf_config(cfg.model.path))
+    c = cfg.cluster
+    unit = "GPUs" if c.device == "gpu" else "CPU ranks"
+    out = [f"model {cfg.model.path}: {shape.total_params() / 1e9:.2f}B parameters ({cfg.model.dtype}), "
+           f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads} query / {shape.kv_heads} KV heads, "
+           f"vocab {shape.vocab}",
+           f"cluster: {c.nodes} nodes x {c.ranks_per_node} {unit} = {c.world_size} ranks; pools: "
+           + ", ".join(f"{k}={v}" for k, v in c.pool_sizes().items()),
+           f"sequence: {cfg.data.max_prompt_length} prompt + {cfg.rollout.max_new_tokens} response tokens; "
+           f"{cfg.data.batch_size} prompts x {cfg.rollout.n} samples per step",
+           "", "layout:"]
+    for r in plan.roles:
+        out.append(f"  {r.role:8s} pool {r.pool!r:10s} {r.world:5d} ranks  {r.layout:34s} "
+                   f"{'engines' if r.rollout else 'dp'} {r.dp:<4d} {r.batching}")
+    out += ["", f"memory per GPU (GiB, busiest rank; assumptions: parallel/memory.py; recompute={plan.recompute}):"]
+    for r in plan.roles:
+        if r.memory is not None:
+            m = r.memory.components
+            parts = "  ".join(f"{k} {m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "logits")
+                              if k in m)
+            out.append(f"  {r.role:8s} {parts}  = {r.memory.gib():.2f}")
+        else:
+            rm = r.rollout
+            out.append(f"  {r.role:8s} reserved {rm.reserved / GiB:.2f} = weights {rm.weights / GiB:.2f} + KV pool "
+                       f"{max(rm.kv_pool, 0) / GiB:.2f} ({rm.kv_per_token} B/token: {rm.kv_capacity_tokens} tokens; "
+                       f"a step needs {rm.tokens_needed} per engine)")
+    out += ["", f"per pool and phase (GiB per GPU, incl. {RUNTIME_RESERVE_BYTES / GiB:.0f} GiB runtime reserve) "
+                f"vs budget {plan.budget / GiB:.0f} GiB:"]
+    for p in plan.pools:
+        out.append(f"  pool {p.name!r} ({p.ranks} ranks: {', '.join(p.roles)}), resident states {p.resident / GiB:.2f}")
+        for phase, size in p.phases.items():
+            mark = "  <- peak" if phase == p.peak_phase else ""
+            out.append(f"    {phase:16s} {_gib(size)}{mark}")
+        verdict = "fits" if p.peak <= plan.budget else "DOES NOT FIT"
+        out.append(f"    peak {p.peak / GiB:.1f} of {plan.budget / GiB:.0f} GiB: {verdict} "
+                   f"(margin {(plan.budget - p.peak) / GiB:+.1f} GiB)")
+    for w in plan.warnings:
+        out.append(f"warning: {w}")
+    for problem in plan.problems:
+        out.append(f"DOES NOT FIT: {problem}")
+    out.append("verdict: " + ("fits in memory" if plan.fits else "does NOT fit (see above)"))
+    return "\n".join(out)
+
+
+def driver_command(config_path: str, overrides: list[str]) -> str:
+    """The training command the Ray-on-Slurm bootstrap runs on the head node."""
+    return shlex.join(["megarl", "train", config_path, *overrides])
+
+
+def slurm_geometry_problems(cfg: RunConfig, nodes: int | None, gpus_per_node: int | None) -> list[str]:
+    """Mismatches between the Slurm allocation (sbatch --nodes / --gpus-per-node) and cluster.*."""
+    problems = []
+    c = cfg.cluster
+    if nodes is not None and nodes != c.nodes:
+        problems.append(f"cluster.nodes={c.nodes}: the Slurm allocation has {nodes} nodes; pass cluster.nodes={nodes} "
+                        f"(with a layout that divides the new world) or submit with sbatch --nodes={c.nodes}")
+    if gpus_per_node is not None and c.device == "gpu" and gpus_per_node != c.gpus_per_node:
+        problems.append(f"cluster.gpus_per_node={c.gpus_per_node}: the Slurm allocation has {gpus_per_node} GPUs per "
+                        f"node; pass cluster.gpus_per_node={gpus_per_node} or sbatch --gpus-per-node={c.gpus_per_node}")
+    return problems

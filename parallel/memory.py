@@ -1,0 +1,261 @@
+"""Per-GPU memory of a model at a layout: closed forms from the HF config, before any GPU exists.
+
+Everything here is arithmetic over the model's shape (``ModelShape.from_hf``, the same HF config
+dict ``model_specs`` reads) and a layout (anything with ``tp pp vpp cp sequence_parallel
+use_distributed_optimizer`` attributes: ``parallel.layout.MegatronLayout`` or the run config's
+``LayoutConfig``). Numbers are bytes on the busiest rank. What is assumed, and why:
+
+Parameters (exact, megatron's local GPT spec = the HF model's tensors):
+  per layer  q h*nh*d, k and v h*nkv*d each, o nh*d*h, gate/up/down 3*h*f, two RMSNorms 2h,
+             plus qkv bias (nh+2nkv)*d (Qwen2) and q/k norms 2d (Qwen3);
+  once       embedding V*h, final norm h, untied output layer V*h.
+  On a Megatron rank: linear weights / tp, norms replicated, the vocab padded to a multiple of
+  128*tp (megatron's padding) and split over tp; layers / pp per pipeline rank (VPP only
+  interleaves them); the embedding on the first stage, final norm + output layer on the last
+  (a tied model with pp > 1 keeps a copy there too). A critic's output layer is a value head (h).
+
+Training states, bytes per parameter of the rank (megatron mixed precision, megarl's settings):
+  params  dtype size (2 for bf16);
+  grads   4: gradients accumulate and are reduced in fp32 (``grad_reduce_in_fp32=True`` in
+          megarl/training.py);
+  optimizer (Adam) 4 (fp32 master copy, only when params are not fp32) + 4 + 4 (two moments);
+          divided by dp*cp with ``use_distributed_optimizer`` (megatron shards it over the
+          data-parallel group including context-parallel ranks).
+  bf16 + distributed optimizer: 6 + 12/(dp*cp) bytes per parameter (megatron's own table).
+
+Activations (rough; after Korthikanti et al. 2022, "Reducing Activation Recomputation",
+rewritten for Llama-style layers with flash attention, GQA, SwiGLU and no dropout). Saved for
+the backward, per token per layer, in elements:
+  4h                    inputs of the two RMSNorms and of the two linears they feed
+                        (/tp with sequence parallelism, else replicated on every TP rank)
+  2*nh*d + 2*nkv*d      q, k, v kept by flash attention and its output (input of o_proj)  (/tp)
+  3f                    gate and up outputs (SwiGLU's inputs) and SwiGLU's output       (/tp)
+  times the activation dtype size; the attention score matrix is never stored (flash
+  attention), softmax statistics are ignored. Tokens per micro-batch are micro_batch_size *
+  (max prompt + max response) (padded batches: the worst case) or the token budget, / cp.
+  Full recompute keeps only each layer's input (h elements, /tp with SP) plus one layer's full
+  set while it is recomputed.
+  Pipeline (1F1B): stage s holds min(pp - s, micro-batches) micro-batches in flight (the first
+  stage pp of them, the last one); interleaving (VPP) multiplies by 1 + (pp-1)/(pp*vpp).
+  The last stage also holds the logits of one micro-batch: tokens * V_padded/tp * (dtype size +
+  8) (the logits, plus fp32 upcast and softmax kept for the log-prob backward).
+  Forward-only passes (reference, old log-probs) keep one layer's working set and the logits.
+
+Rollout (SGLang, one engine per ``rollout.tp`` GPUs):
+  weights on a rank: linears / tp, KV heads max(nkv/tp, 1) (replicated when tp > nkv), norms
+  whole, vocab padded to a multiple of 64 and split over tp.
+  KV cache per token on a rank: 2 (K and V) * layers * max(nkv/tp, 1) * d * dtype size.
+  SGLang reserves ``mem_fraction_static`` of the memory that is free when it starts (what a
+  colocated trainer already holds is not free) for weights + KV pool: KV pool = f * free - weights
+  (sglang's kv_cache_configurator). Beyond that, CUDA graphs and sampling need a little more
+  (``RUNTIME_RESERVE_BYTES``).
+
+Everywhere, a constant ``RUNTIME_RESERVE_BYTES`` stands for the CUDA context, NCCL buffers and
+allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+GiB = 1 << 30
+# CUDA context (~0.5 GiB), NCCL communicators and buffers, allocator fragmentation: a flat
+# allowance per GPU on top of what the tensors need.
+RUNTIME_RESERVE_BYTES = 3 * GiB
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MEGATRON_VOCAB_DIVISIBLE_BY = 128  # parallel.layout.build_model_chunks' default
+SGLANG_VOCAB_DIVISIBLE_BY = 64  # sglang's VocabParallelEmbedding padding
+
+
+def _ceil_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the memory of a decoder-only model depends on, read from its HF config."""
+
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "ModelShape":
+        from model_specs import family_for
+
+        family = family_for(hf)
+        heads = hf["num_attention_heads"]
+        return cls(hidden=hf["hidden_size"], ffn=hf["intermediate_size"], layers=hf["num_hidden_layers"],
+                   heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
+                   head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab=hf["vocab_size"],
+                   tied=bool(hf.get("tie_word_embeddings", False)), qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_split_params(self) -> int:
+        """Parameters of one layer that tensor parallelism splits (linear weights, qkv bias)."""
+        h = self.hidden
+        split = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 3 * h * self.ffn
+        return split + ((self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0)
+
+    def layer_replicated_params(self) -> int:
+        """Parameters of one layer every TP rank holds whole (the norms)."""
+        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+
+    def total_params(self) -> int:
+        """Every parameter of the HF model (no padding), the number HF's ``numel`` reports."""
+        per_layer = self.layer_split_params() + self.layer_replicated_params()
+        return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def activation_elements_per_token(self, tp: int, sequence_parallel: bool) -> float:
+        """Elements one layer saves for its backward per token on one TP rank (see module doc)."""
+        replicated = 4 * self.hidden
+        split = 2 * self.q_dim + 2 * self.kv_dim + 3 * self.ffn
+        return replicated / (tp if sequence_parallel else 1) + split / tp
+
+
+def megatron_stage_params(shape: ModelShape, layout, stage: int, *, value_head: bool = False) -> int:
+    """Parameters on one TP rank of pipeline stage ``stage`` (all its virtual chunks)."""
+    tp, pp = layout.tp, layout.pp
+    vocab = _ceil_to(shape.vocab, MEGATRON_VOCAB_DIVISIBLE_BY * tp)
+    per_layer = shape.layer_split_params() // tp + shape.layer_replicated_params()
+    params = shape.layers // pp * per_layer
+    if stage == 0:
+        params += vocab * shape.hidden // tp
+    if stage == pp - 1:
+        params += shape.hidden  # final norm
+        if value_head:
+            params += shape.hidden
+        elif not shape.tied or pp > 1:
+            params += vocab * shape.hidden // tp
+    return params
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Bytes per GPU by component (of the busiest rank), with the assumptions that produced them."""
+
+    role: str
+    components: dict[str, int]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+    def gib(self, component: str | None = None) -> float:
+        return (self.total if component is None else self.components[component]) / GiB
+
+
+def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfloat16",
+                    tokens_per_micro_batch: int, micro_batches: int, trainable: bool = True,
+                    value_head: bool = False, recompute: str = "none", role: str = "actor") -> MemoryEstimate:
+    """A Megatron model's memory on its busiest rank: states, activations and logits.
+
+    ``tokens_per_micro_batch``: samples x padded length (or the token budget) of one micro-batch;
+    ``micro_batches``: micro-batches per optimizer step and data-parallel rank (bounds the
+    pipeline's in-flight count). ``trainable=False``: forward only (reference): params only and
+    one layer's working set. ``recompute``: "none" or "full".
+    """
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute={recompute!r}; use 'none' or 'full'")
+    shape = ModelShape.from_hf(hf)
+    size = DTYPE_BYTES[dtype]
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
+    tokens = tokens_per_micro_batch / cp
+    per_layer = shape.activation_elements_per_token(tp, layout.sequence_parallel) * tokens * size
+    layer_input = shape.hidden / (tp if layout.sequence_parallel else 1) * tokens * size
+    vocab = _ceil_to(shape.vocab, MEGATRON_VOCAB_DIVISIBLE_BY * tp)
+    logits = 0 if value_head else tokens * vocab / tp * (size + 8)
+    interleave = 1 + (pp - 1) / (pp * layout.vpp) if layout.vpp else 1.0
+    layers_per_stage = shape.layers // pp
+    best: tuple[float, dict[str, int]] | None = None
+    for stage in range(pp):
+        params = megatron_stage_params(shape, layout, stage, value_head=value_head)
+        parts = {"params": params * size}
+        if trainable:
+            shards = dp * cp if layout.use_distributed_optimizer else 1
+            master = 0 if dtype == "float32" else 4
+            parts["grads"] = params * 4
+            parts["optimizer"] = int(params * (master + 8) / shards)
+            in_flight = min(pp - stage, max(1, micro_batches)) * interleave
+            if recompute == "full":
+                acts = layers_per_stage * in_flight * layer_input + per_layer
+            else:
+                acts = layers_per_stage * in_flight * per_layer
+        else:
+            acts = per_layer  # one layer's working set; nothing is kept for a backward
+        parts["activations"] = int(acts)
+        parts["logits"] = int(logits) if stage == pp - 1 else 0
+        total = sum(parts.values())
+        if best is None or total > best[0]:
+            best = (total, parts)
+    notes = [f"{shape.total_params() / 1e9:.2f}B parameters; busiest rank holds "
+             f"{best[1]['params'] / size / 1e9:.2f}B ({dtype}); {tokens_per_micro_batch} tokens per micro-batch"]
+    if trainable:
+        notes.append("grads fp32; Adam " + ("fp32 master + " if dtype != "float32" else "") + "2 moments"
+                     + (f" sharded over dp*cp={dp * cp}" if layout.use_distributed_optimizer else " (not sharded)")
+                     + f"; recompute={recompute}")
+    return MemoryEstimate(role, best[1], notes)
+
+
+def sglang_rank_weight_params(shape: ModelShape, tp: int) -> int:
+    """Parameters one SGLang TP rank holds (KV heads replicated when tp > num_key_value_heads)."""
+    h = shape.hidden
+    kv_dim = max(shape.kv_heads // tp, 1) * shape.head_dim
+    q_dim = shape.q_dim // tp
+    per_layer = (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * shape.ffn // tp
+                 + ((q_dim + 2 * kv_dim) if shape.qkv_bias else 0) + shape.layer_replicated_params())
+    vocab = _ceil_to(shape.vocab, SGLANG_VOCAB_DIVISIBLE_BY) // tp
+    return shape.layers * per_layer + vocab * h * (1 if shape.tied else 2) + h
+
+
+def kv_bytes_per_token(shape: ModelShape, tp: int, dtype: str = "bfloat16") -> int:
+    """KV cache bytes one SGLang TP rank needs per cached token."""
+    return 2 * shape.layers * max(shape.kv_heads // tp, 1) * shape.head_dim * DTYPE_BYTES[dtype]
+
+
+@dataclasses.dataclass
+class RolloutMemory:
+    """An SGLang rank's memory: what it reserves, and whether the rollout batch fits its KV pool."""
+
+    weights: int
+    reserved: int  # mem_fraction_static * the memory free at engine start (weights + KV pool)
+    kv_pool: int
+    kv_per_token: int
+    tokens_needed: int  # every sequence of a step on this engine at full length, cached at once
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return max(self.kv_pool, 0) // self.kv_per_token
+
+    @property
+    def concurrency_fraction(self) -> float:
+        """Share of the step's sequences that fit in the KV pool at once (1.0: all of them)."""
+        return min(1.0, self.kv_capacity_tokens / self.tokens_needed) if self.tokens_needed else 1.0
+
+
+def rollout_memory(hf: Mapping[str, Any], tp: int, *, dtype: str = "bfloat16", free_bytes: int,
+                   mem_fraction_static: float, sequences_per_engine: int, tokens_per_sequence: int) -> RolloutMemory:
+    """SGLang's static reservation on one rank of an engine of ``tp`` GPUs, started with
+    ``free_bytes`` free (the GPU minus what a colocated trainer already holds)."""
+    shape = ModelShape.from_hf(hf)
+    weights = sglang_rank_weight_params(shape, tp) * DTYPE_BYTES[dtype]
+    reserved = int(mem_fraction_static * free_bytes)
+    return RolloutMemory(weights=weights, reserved=max(reserved, weights), kv_pool=reserved - weights,
+                         kv_per_token=kv_bytes_per_token(shape, tp, dtype),
+                         tokens_needed=sequences_per_engine * tokens_per_sequence)
