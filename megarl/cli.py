@@ -146,6 +146,35 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report["identical"] else 1
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """Dry-run a launch: validate the config, print per-role layout and per-GPU memory vs a budget.
+
+    Exit status: 0 fits, 1 does not fit in memory, 2 config or allocation error."""
+    from megarl.config import ConfigError, load_config
+    from megarl.launch_plan import driver_command, format_plan, plan_run, slurm_geometry_problems
+
+    try:
+        config = load_config(args.config, args.overrides, check_files=args.check_files)
+    except ConfigError as error:
+        for line in error.problems:
+            print(f"megarl plan: config error: {line}", file=sys.stderr)
+        return 2
+    geometry = slurm_geometry_problems(config, args.slurm_nodes, args.slurm_gpus_per_node)
+    for line in geometry:
+        print(f"megarl plan: allocation error: {line}", file=sys.stderr)
+    if geometry:
+        return 2
+    plan = plan_run(config, gpu_memory_gib=args.gpu_memory_gib, recompute=args.recompute)
+    if args.json:
+        import json
+
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        print(format_plan(plan))
+        print(f"driver: {driver_command(args.config, args.overrides)}")
+    return 0 if plan.fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="do not require data files and the resume checkpoint to exist on this machine")
     # Overrides may also follow the options (argparse alone stops a nargs="*" list at the first option).
     check.set_defaults(func=_check_config, trailing_positionals="overrides")
+
+    plan = sub.add_parser("plan", help=_plan.__doc__.splitlines()[0], description=_plan.__doc__)
+    plan.add_argument("config", help="run config YAML (e.g. configs/llama3_70b_grpo_32x8.yaml)")
+    plan.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for train")
+    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per-GPU memory budget (default 80)")
+    plan.add_argument("--recompute", choices=["none", "full"], default="none", help="activation recompute assumed")
+    plan.add_argument("--check-files", action="store_true", help="also require the data files to exist here")
+    plan.add_argument("--slurm-nodes", type=int, default=None, help="the allocation's node count, checked against cluster.nodes")
+    plan.add_argument("--slurm-gpus-per-node", type=int, default=None, help="checked against cluster.gpus_per_node")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=_plan, trailing_positionals="overrides")
 
     train = sub.add_parser("train", help=_train.__doc__)
     train.add_argument("config", help="run config YAML (e.g. configs/quickstart_grpo.yaml)")
