@@ -51,8 +51,12 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_STOPPED = 143  # `megarl train` stopped by SIGTERM before its last step (128 + SIGTERM), checkpoint saved
+
+
 def _train(args: argparse.Namespace) -> int:
-    """Run PPO/GRPO as configured: validate everything first, then Ray, workers, engines, steps."""
+    """Run PPO/GRPO as configured: validate everything first, then Ray, workers, engines, steps.
+    Exit status: 0 done, 2 bad config or run error, 143 stopped by SIGTERM with a checkpoint saved."""
     from megarl.config import ConfigError, load_config, save_resolved
 
     try:
@@ -79,6 +83,10 @@ def _train(args: argparse.Namespace) -> int:
     if len(history) >= 2:
         first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
         print(f"megarl train: reward {first:.3f} (step {history[0]['step']}) -> {last:.3f} (step {history[-1]['step']})")
+    if trainer.step < config.trainer.total_steps:  # stopped by SIGTERM after saving: resume to finish
+        print(f"megarl train: stopped at step {trainer.step}/{config.trainer.total_steps} (checkpoint saved); "
+              f"run the same command again to resume", file=sys.stderr)
+        return EXIT_STOPPED
     return 0
 
 
@@ -164,6 +172,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"megarl plan: allocation error: {line}", file=sys.stderr)
     if geometry:
         return 2
+    if args.conversion:  # the conversion job at the actor's layout (cluster.* = its ranks)
+        from megarl.launch_plan import conversion_plan
+
+        print(conversion_plan(config, config.cluster.ranks_per_node, verify=not args.no_verify))
+        return 0
     plan = plan_run(config, gpu_memory_gib=args.gpu_memory_gib, recompute=args.recompute)
     if args.json:
         import json
@@ -205,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--slurm-nodes", type=int, default=None, help="the allocation's node count, checked against cluster.nodes")
     plan.add_argument("--slurm-gpus-per-node", type=int, default=None, help="checked against cluster.gpus_per_node")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--conversion", action="store_true",
+                      help="plan `megarl convert` at the actor's layout over cluster.* ranks instead of training")
+    plan.add_argument("--no-verify", action="store_true", help="with --conversion: the conversion skips read-back")
     plan.set_defaults(func=_plan, trailing_positionals="overrides")
 
     train = sub.add_parser("train", help=_train.__doc__)

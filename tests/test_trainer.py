@@ -4,6 +4,8 @@
   seed; the first rollout's SGLang log-probs equal the actor's recomputation (step-0 check);
 - resume: a driver SIGKILLed after its step-2 checkpoint, resumed, gives the same steps 3-4 as an
   uninterrupted run, and no process of the killed run survives;
+- PPO with a critic: the value loss falls as the critic learns the returns; a SIGTERM makes the
+  driver finish its step, save a checkpoint and exit with status 143;
 - a broken config or a missing dataset fails before Ray starts, with one clear message.
 """
 
@@ -128,6 +130,52 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(prompts, tmp_path):
                     "actor/grad_norm"):
             assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-6), (step, key)
     assert survivors == [], f"processes of the killed run still alive: {survivors}"
+
+
+SHIFTED_REWARD = """
+from megarl.rewards.builtin import arithmetic_reward
+
+def shifted(**kw):
+    return 1.0 + arithmetic_reward(**kw)
+"""
+
+
+def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_path):
+    # Rewards shifted by +1 (a reward model's offset): a fresh value head predicts ~0.16, so the
+    # critic has a clear error to remove before only the rewards' own variance is left.
+    reward_file = tmp_path / "shifted.py"
+    reward_file.write_text(SHIFTED_REWARD)
+    out = tmp_path / "ppo"
+    settings = {"trainer.total_steps": 50, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 1,
+                "data.batch_size": 32, "rollout.n": 1, "actor.micro_batch_size": 32, "ref.micro_batch_size": 32,
+                "critic.micro_batch_size": 32, "algorithm.advantage": "gae", "algorithm.lam": 0.95,
+                "algorithm.kl_penalty.enabled": "true", "ref.enabled": "true", "critic.enabled": "true",
+                "critic.optim.lr": 5e-4, "reward.functions": f"{{synthetic_arith: {reward_file}:shifted}}"}
+    proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **settings) + ["--no-export"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 8:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 8"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        _kill_session(proc.pid)
+    assert proc.returncode == 143, output[-3000:]
+    steps = _metrics(out)
+    last = steps[-1]["step"]
+    assert 8 <= last < 50 and f"SIGTERM: saved step {last}" in output, output[-3000:]
+    saved = out / "checkpoints" / f"step_{last:06d}"
+    assert (saved / "trainer_state.json").is_file() and (saved / "critic").is_dir() and not (saved / "ref").exists()
+    vf_loss = [m["critic/vf_loss"] for m in steps]
+    print("PPO critic value loss per step:", [round(v, 4) for v in vf_loss])
+    assert vf_loss[0] > 0.2, vf_loss
+    assert sum(vf_loss[-3:]) / 3 < vf_loss[0] / 5, vf_loss
+    # The critic's mean prediction has moved to the mean return (the reward: one scored token).
+    recent_reward = sum(m["reward/mean"] for m in steps[-3:]) / 3
+    assert abs(steps[-1]["critic/vpred_mean"] - recent_reward) < 0.2, (steps[-1], recent_reward)
+    assert all(m["actor/update_ok"] == 1.0 for m in steps)
 
 
 def test_broken_config_and_missing_data_fail_before_ray(prompts, tmp_path):

@@ -345,9 +345,10 @@ class MegatronWorker:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, directory: str) -> None:
-        """Collective: every model's weights as a Megatron distributed checkpoint (loadable at any
-        layout) under ``directory/<role>``, and this rank's optimizer, step and RNG states
-        (resumable at the same layout) under ``directory/rank_states/rank<r>.pt``."""
+        """Collective: every trained model's weights as a Megatron distributed checkpoint (loadable
+        at any layout) under ``directory/<role>``, and this rank's optimizer, step and RNG states
+        (resumable at the same layout) under ``directory/rank_states/rank<r>.pt``. Frozen models
+        (the reference) are not saved: a resumed run rebuilds them from their initial weights."""
         import random
         from pathlib import Path
 
@@ -357,7 +358,8 @@ class MegatronWorker:
         from parallel.dist_ckpt import save_megatron_checkpoint
 
         for role, model in self.models.items():
-            save_megatron_checkpoint(model.chunks, Path(directory) / role, model.hf_config, model.spec.layout)
+            if model.optimizer is not None:
+                save_megatron_checkpoint(model.chunks, Path(directory) / role, model.hf_config, model.spec.layout)
         state = {
             "layout": dataclasses.asdict(self.layout), "world_size": self.world_size,
             "optimizers": {role: m.optimizer.state_dict() for role, m in self.models.items() if m.optimizer},
@@ -391,8 +393,8 @@ class MegatronWorker:
                 f"this run has {mine} on {self.world_size}; resume with the same actor layout and cluster, "
                 "or start a new run from its weights (convert the checkpoint to HF with `megarl convert`)")
         for role, model in self.models.items():
-            load_megatron_checkpoint(model.chunks, Path(directory) / role)
             if model.optimizer is not None:
+                load_megatron_checkpoint(model.chunks, Path(directory) / role)
                 model.optimizer.load_state_dict(state["optimizers"][role])
             model.optimizer_steps = state["optimizer_steps"][role]
         torch.set_rng_state(state["rng"]["torch"])
