@@ -187,12 +187,15 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
 
     # Verdicts.
     if rm.kv_pool <= 0:
-        need = (rm.weights + rm.kv_per_token * seq) / max(free, 1)
+        one = math.ceil(100 * (rm.weights + rm.kv_per_token * seq) / max(free, 1)) / 100
+        step = math.ceil(100 * (rm.weights + rm.kv_per_token * rm.tokens_needed) / max(free, 1)) / 100
+        fix = (f"raise it to at least {one:.2f} (one sequence at a time; {step:.2f} holds a whole step)" if one < 1
+               else "free memory for the engines (smaller training states: a larger actor.layout.tp/pp)")
         problems.append(
             f"rollout.mem_fraction_static={r.mem_fraction_static}: SGLang would reserve {rm.reserved / GiB:.1f} GiB "
             f"({r.mem_fraction_static} of the {max(free, 0) / GiB:.1f} GiB free when it starts) but its weights alone "
-            f"take {rm.weights / GiB:.1f} GiB per GPU at rollout.tp={r.tp}; raise it to at least {min(need, 0.95):.2f}, "
-            "raise rollout.tp, or give the rollout its own pool (rollout.placement=separate)")
+            f"take {rm.weights / GiB:.1f} GiB per GPU at rollout.tp={r.tp}; {fix}, raise rollout.tp, "
+            "or give the rollout its own pool (rollout.placement=separate)")
     elif rm.concurrency_fraction < 1:
         waves = math.ceil(rm.tokens_needed / max(rm.kv_capacity_tokens, 1))
         warnings.append(
@@ -291,3 +294,27 @@ def slurm_geometry_problems(cfg: RunConfig, nodes: int | None, gpus_per_node: in
         problems.append(f"cluster.gpus_per_node={c.gpus_per_node}: the Slurm allocation has {gpus_per_node} GPUs per "
                         f"node; pass cluster.gpus_per_node={gpus_per_node} or sbatch --gpus-per-node={c.gpus_per_node}")
     return problems
+
+
+def conversion_plan(cfg: RunConfig, ranks_per_node: int, verify: bool = True) -> str:
+    """What ``megarl convert`` at the actor's layout holds per rank and node (host memory).
+
+    Conversion ranks build the model chunks of their shard in fp32 (``build_model_chunks``'
+    default), fill them from slices of the safetensors files, and with verification read the
+    written checkpoint back into a second set of chunks; a layout needs tp*pp*cp ranks (no data
+    parallel). The logit probe is skipped above 2B parameters, so it adds nothing for 70B.
+    """
+    from megarl.config.validate import model_hf_config
+    from parallel.memory import ModelShape, megatron_stage_params
+
+    hf = model_hf_config(cfg.model.path)
+    shape = ModelShape.from_hf(hf)
+    layout = cfg.actor.layout
+    world = cfg.cluster.world_size
+    per_rank = max(megatron_stage_params(shape, layout, s) for s in range(layout.pp)) * 4 * (2 if verify else 1)
+    return "\n".join([
+        f"conversion of {cfg.model.path} ({shape.total_params() / 1e9:.2f}B parameters) at tp={layout.tp} "
+        f"pp={layout.pp} vpp={layout.vpp or '-'}: {world} ranks ({world // ranks_per_node} nodes x {ranks_per_node})",
+        f"host memory: {per_rank / GiB:.1f} GiB per rank (fp32 shard{' + its read-back copy' if verify else ''}), "
+        f"{per_rank * ranks_per_node / GiB:.0f} GiB per node",
+    ])
