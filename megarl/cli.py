@@ -188,6 +188,37 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+def _preflight(args: argparse.Namespace) -> int:
+    """Check a multi-node allocation before Ray starts: one task per node (srun) reports its host and
+    GPU count and joins a small torch.distributed collective; failures name the node(s).
+
+    Rank and world size come from SLURM_PROCID/SLURM_NTASKS (or RANK/WORLD_SIZE) unless given.
+    Exit status: 0 usable, 1 a node failed a check, 2 bad arguments."""
+    import os
+
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's connect retries: our message names the node
+    from parallel.preflight import PreflightError, run_preflight
+
+    env = os.environ
+    rank = args.rank if args.rank is not None else int(env.get("SLURM_PROCID", env.get("RANK", 0)))
+    world = args.world_size if args.world_size is not None else int(env.get("SLURM_NTASKS", env.get("WORLD_SIZE", 1)))
+    hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
+    master = args.master_addr or env.get("MASTER_ADDR") or (hosts[0] if hosts else None)
+    if master is None or not 0 <= rank < world or (hosts and len(hosts) != world):
+        print(f"megarl preflight: need --master-addr (or MASTER_ADDR), 0 <= rank < world size (got {rank}/{world}) "
+              f"and one --hosts entry per rank", file=sys.stderr)
+        return 2
+    try:
+        result = run_preflight(rank, world, master, args.master_port, hosts=hosts, gpus_per_node=args.gpus_per_node,
+                               timeout_s=args.timeout, nbytes=args.bytes)
+    except PreflightError as error:
+        print(f"megarl preflight: ERROR: {error}", file=sys.stderr, flush=True)
+        return 1
+    if rank == 0:
+        print(result.summary(), flush=True)
+    return 0 if result.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -252,6 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--vpp", type=int, default=None)
     verify.add_argument("--timeout", type=float, default=3600.0)
     verify.set_defaults(func=_verify)
+
+    preflight = sub.add_parser("preflight", help=_preflight.__doc__.splitlines()[0], description=_preflight.__doc__)
+    preflight.add_argument("--master-addr", default=None, help="rank 0's IP (default: $MASTER_ADDR, else the first --hosts)")
+    preflight.add_argument("--master-port", type=int, default=29555, help="rendezvous port on rank 0 (default 29555)")
+    preflight.add_argument("--rank", type=int, default=None, help="default: $SLURM_PROCID, else $RANK")
+    preflight.add_argument("--world-size", type=int, default=None, help="default: $SLURM_NTASKS, else $WORLD_SIZE")
+    preflight.add_argument("--hosts", default=None, help="comma-separated host of each rank, to name missing ones")
+    preflight.add_argument("--gpus-per-node", type=int, default=None, help="expected visible GPUs per node (0 on CPU)")
+    preflight.add_argument("--timeout", type=float, default=60.0, help="seconds every wait is bounded by")
+    preflight.add_argument("--bytes", type=int, default=1 << 22, help="all_reduce size for the bandwidth figure")
+    preflight.set_defaults(func=_preflight)
     return parser
 
 
