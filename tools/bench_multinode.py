@@ -154,7 +154,7 @@ def summarize_metrics(rows: list[dict], warmup: int, ranks: int, peak_tflops_per
     for out, key in names.items():
         summary[out] = _median(timed, key)
     summary["phase_seconds"] = {k[len("time/"):-len("_s")]: _median(timed, k)
-                                for k in sorted({k for r in timed for k in r if k.startswith("time/")})}
+                                for k in sorted({k for r in timed for k in r if k.startswith("time/")} - {"time/step_s"})}
     tflops = summary["train_tflops_per_s"]
     summary["mfu"] = tflops / (ranks * peak_tflops_per_rank) if tflops is not None else None
     return summary
