@@ -192,7 +192,8 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
         fix = (f"raise it to at least {one:.2f} (one sequence at a time; {step:.2f} holds a whole step)" if one < 1
                else "free memory for the engines (smaller training states: a larger actor.layout.tp/pp)")
         problems.append(
-            f"rollout.mem_fraction_static={r.mem_fraction_static}: SGLang would reserve {rm.reserved / GiB:.1f} GiB "
+            f"rollout.mem_fraction_static={r.mem_fraction_static}: SGLang would reserve "
+            f"{r.mem_fraction_static * max(free, 0) / GiB:.1f} GiB "
             f"({r.mem_fraction_static} of the {max(free, 0) / GiB:.1f} GiB free when it starts) but its weights alone "
             f"take {rm.weights / GiB:.1f} GiB per GPU at rollout.tp={r.tp}; {fix}, raise rollout.tp, "
             "or give the rollout its own pool (rollout.placement=separate)")
