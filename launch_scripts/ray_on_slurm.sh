@@ -1,0 +1,314 @@
+#!/usr/bin/env bash
+# Ray on Slurm: check the allocation, start one Ray node per Slurm node, run the driver on the
+# head node, and leave nothing behind. Requeues itself when preempted (pre-timeout signal).
+#
+#   sbatch [--nodes=32 --gpus-per-node=8 --partition=P --account=A --time=24:00:00] \
+#       launch_scripts/ray_on_slurm.sh megarl train configs/my_run.yaml cluster.nodes=32 ...
+#
+# The script's arguments are the driver command (run once, on the head node, with RAY_ADDRESS set).
+# Every #SBATCH line below can be overridden on the sbatch command line.
+#
+#SBATCH --job-name=megarl
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --time=04:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+# Add as your cluster needs:  #SBATCH --gpus-per-node=8   #SBATCH --partition=...   #SBATCH --account=...
+#
+# --signal=B:USR1@300: Slurm sends USR1 to this batch shell (B:) 300 s before the time limit. The
+#   script forwards SIGTERM to the driver (`megarl train` then saves a checkpoint and exits), waits
+#   for it, tears Ray down and runs `scontrol requeue`; the requeued job resumes from the newest
+#   checkpoint (trainer.resume: auto). Allow enough seconds to finish a step and save.
+# --requeue: the job may be requeued (Slurm itself also requeues it after a node failure).
+#   Slurm's MaxBatchRequeue (default 5) bounds how often.
+# --open-mode=append: a requeued run appends to the same log instead of truncating it.
+# SIGTERM (scancel, or preemption with PreemptMode=REQUEUE/CANCEL): the driver is asked to save and
+#   stop; the job then ends without requeueing itself (Slurm decides).
+#
+# Environment knobs (sbatch passes the submitting shell's environment to the job):
+#   MEGARL_VENV=DIR            python venv to use (DIR/bin goes first on PATH) on every node
+#   MEGARL_ACTIVATE='CMD'      shell command run before every command on every node instead
+#                              (e.g. 'module load cuda/12.4; source /opt/env/bin/activate')
+#   MEGARL_NET_IFACE=IFACE     network interface for Ray's node IPs and for NCCL/gloo
+#                              (sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME); default: the
+#                              address `hostname --ip-address` gives
+#   RAY_PORT=6379              GCS port on the head node
+#   MEGARL_RAY_NUM_CPUS=N      CPUs Ray offers per node (default: $SLURM_CPUS_ON_NODE); CPU-only
+#                              runs: cluster.cpu_ranks_per_node
+#   MEGARL_RAY_NUM_GPUS=N      GPUs Ray offers per node (default: Ray's own detection)
+#   MEGARL_RAY_JOIN_TIMEOUT=300  seconds for all nodes to join Ray; a node that does not is named
+#   MEGARL_PREFLIGHT=1         0 skips `megarl preflight` (host, GPU count, all_reduce per node)
+#   MEGARL_PREFLIGHT_TIMEOUT=120 seconds the preflight may take
+#   MEGARL_PREFLIGHT_PORT=29555  its rendezvous port on the head node
+#   MEGARL_GPUS_PER_NODE=N     GPUs each node must see (default: from --gpus-per-node, else unchecked)
+#   MEGARL_DRIVER_GRACE=600    seconds the driver gets to checkpoint after SIGTERM before SIGKILL
+#   RAY_AUTH_MODE=token        Ray token authentication with a fresh per-job RAY_AUTH_TOKEN
+#                              (set RAY_AUTH_TOKEN to choose it; RAY_AUTH_MODE=disabled: none)
+#   MEGARL_RAY_STOP=0          1: also run `ray stop --force` on every node at the end. Off by default:
+#                              the Ray steps are ended through Slurm, which ends every process they
+#                              started; `ray stop` would also stop any other Ray of this user on the node.
+set -uo pipefail
+
+log() { echo "[ray_on_slurm $(date +%H:%M:%S)] $*"; }
+err() { echo "[ray_on_slurm $(date +%H:%M:%S)] ERROR: $*" >&2; }
+
+if [ -z "${SLURM_JOB_ID:-}" ]; then
+  err "not inside a Slurm allocation: submit with  sbatch launch_scripts/ray_on_slurm.sh <driver command...>"
+  exit 2
+fi
+if [ $# -eq 0 ]; then
+  err "no driver command: sbatch launch_scripts/ray_on_slurm.sh megarl train <config.yaml> [key=value ...]"
+  exit 2
+fi
+
+export RAY_USAGE_STATS_ENABLED=0
+# The driver has stopped before Ray is: no draining on SIGTERM (Ray would wait up to 30 s per node).
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
+RAY_PORT=${RAY_PORT:-6379}
+JOIN_TIMEOUT=${MEGARL_RAY_JOIN_TIMEOUT:-300}
+PREFLIGHT=${MEGARL_PREFLIGHT:-1}
+PREFLIGHT_TIMEOUT=${MEGARL_PREFLIGHT_TIMEOUT:-120}
+PREFLIGHT_PORT=${MEGARL_PREFLIGHT_PORT:-29555}
+DRIVER_GRACE=${MEGARL_DRIVER_GRACE:-600}
+RAY_NUM_CPUS=${MEGARL_RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-}}
+GPUS_PER_NODE=${MEGARL_GPUS_PER_NODE:-${SLURM_GPUS_PER_NODE:-}}
+GPUS_PER_NODE=${GPUS_PER_NODE##*:}  # "h100:8" -> 8
+
+if [ -n "${MEGARL_VENV:-}" ]; then
+  export VIRTUAL_ENV=$MEGARL_VENV PATH="$MEGARL_VENV/bin:$PATH"
+fi
+if [ -n "${MEGARL_NET_IFACE:-}" ]; then
+  export NCCL_SOCKET_IFNAME=$MEGARL_NET_IFACE GLOO_SOCKET_IFNAME=$MEGARL_NET_IFACE
+fi
+export MEGARL_ACTIVATE=${MEGARL_ACTIVATE:-}
+# Every command on a node runs through this: the activation command first, then the command.
+ON_NODE=(bash -c 'eval "$MEGARL_ACTIVATE" || { echo "MEGARL_ACTIVATE failed on $(hostname)" >&2; exit 3; }; exec "$@"' on-node)
+# This node's IP: of MEGARL_NET_IFACE, else the first address of its host name.
+NODE_IP='if [ -n "${MEGARL_NET_IFACE:-}" ]; then ip -4 -o addr show dev "$MEGARL_NET_IFACE" | awk "{print \$4}" | cut -d/ -f1 | head -n1; else hostname --ip-address | awk "{print \$1}"; fi'
+eval "$MEGARL_ACTIVATE" || { err "MEGARL_ACTIVATE failed on the batch node $(hostname)"; exit 3; }
+
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+N=${#NODES[@]}
+HEAD=${NODES[0]}
+log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $N node(s): ${NODES[*]}; head $HEAD"
+
+# ---------------------------------------------------------------- teardown on every exit path
+declare -A RAY_SRUN=()   # node -> pid of its `srun ... ray start --block`
+DRIVER_PID=""
+PREEMPTED=0          # USR1 (pre-timeout) arrived
+PREEMPTED_DURING_RUN=0
+TERMINATED=0
+CLEANED=0
+
+alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
+
+wait_gone() {  # wait_gone SECONDS PID... : until all exited or the time is up
+  local until=$((SECONDS + $1)); shift
+  local pid
+  for pid in "$@"; do
+    while alive "$pid" && [ $SECONDS -lt $until ]; do sleep 0.5; done
+  done
+}
+
+# SIGTERM to the driver's task itself. (SIGTERM to its srun would end the whole step: Slurm sends
+# SIGTERM and SIGKILL KillWait seconds later, too soon for a checkpoint.)
+signal_driver() {
+  alive "$DRIVER_PID" || return 0
+  local step
+  step=$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null | awk '$2 == "megarl-driver" {print $1; exit}')
+  if [ -n "$step" ] && scancel --signal=TERM "$step" 2>/dev/null; then
+    log "sent SIGTERM to the driver (step $step)"
+  else
+    kill -TERM "$DRIVER_PID" 2>/dev/null
+  fi
+}
+
+stop_driver() {
+  alive "$DRIVER_PID" || return 0
+  log "asking the driver to checkpoint and stop (SIGTERM; up to ${DRIVER_GRACE}s)"
+  signal_driver
+  wait_gone "$DRIVER_GRACE" "$DRIVER_PID"
+  if alive "$DRIVER_PID"; then
+    log "the driver did not stop within ${DRIVER_GRACE}s: ending its step"
+    kill -TERM "$DRIVER_PID" 2>/dev/null
+    wait_gone 30 "$DRIVER_PID"
+    alive "$DRIVER_PID" && kill -KILL "$DRIVER_PID" 2>/dev/null
+  fi
+}
+
+cleanup() {
+  [ "$CLEANED" = 1 ] && return 0
+  CLEANED=1
+  trap '' TERM USR1 INT
+  stop_driver
+  local pids=() node
+  for node in "${!RAY_SRUN[@]}"; do alive "${RAY_SRUN[$node]}" && pids+=("${RAY_SRUN[$node]}"); done
+  if [ ${#pids[@]} -gt 0 ]; then
+    log "stopping Ray on ${!RAY_SRUN[*]}"
+    # SIGTERM to an srun ends its job step: Slurm stops `ray start --block` and every process it
+    # started (raylet, GCS, workers), on that node.
+    kill -TERM "${pids[@]}" 2>/dev/null
+    wait_gone 30 "${pids[@]}"
+    for pid in "${pids[@]}"; do alive "$pid" && kill -KILL "$pid" 2>/dev/null; done
+  fi
+  if [ "${MEGARL_RAY_STOP:-0}" = 1 ] && [ ${#RAY_SRUN[@]} -gt 0 ]; then
+    timeout 60 srun --overlap --nodes="$N" --ntasks-per-node=1 "${ON_NODE[@]}" ray stop --force >/dev/null 2>&1 || true
+  fi
+  local rest
+  rest=$(jobs -pr)
+  [ -n "$rest" ] && kill -KILL $rest 2>/dev/null
+  wait 2>/dev/null
+  log "Ray is down"
+}
+trap cleanup EXIT
+on_usr1() {
+  PREEMPTED=1
+  alive "$DRIVER_PID" && PREEMPTED_DURING_RUN=1
+  log "USR1: the allocation ends soon: checkpoint, stop, requeue"
+  signal_driver
+}
+on_term() {
+  TERMINATED=1
+  log "$1: stopping (the driver saves a checkpoint first)"
+  signal_driver
+}
+trap on_usr1 USR1
+trap 'on_term SIGTERM' TERM
+trap 'on_term SIGINT' INT
+
+fail() { err "$*"; exit 1; }
+requeue_and_exit() {
+  cleanup
+  if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MEGARL_MAX_REQUEUES:-20}" ]; then
+    err "already requeued ${SLURM_RESTART_COUNT} times (MEGARL_MAX_REQUEUES): not again"; exit 1
+  fi
+  log "requeueing job $SLURM_JOB_ID: $1"
+  scontrol requeue "$SLURM_JOB_ID" || { err "scontrol requeue $SLURM_JOB_ID failed (submitted with --no-requeue?)"; exit 1; }
+  sleep 30  # Slurm ends this run of the job now
+  exit 0
+}
+# Runs "$@" in the background and waits for it so that the traps fire meanwhile; returns its status.
+run_bg_wait() {
+  "$@" &
+  local pid=$! rc
+  while :; do
+    wait "$pid"; rc=$?
+    alive "$pid" || break
+  done
+  if [ "$rc" -gt 128 ]; then wait "$pid" 2>/dev/null; local again=$?; [ "$again" != 127 ] && rc=$again; fi
+  return "$rc"
+}
+check_stop() {  # after a signal during bring-up: nothing ran yet, so requeue (USR1) or stop
+  [ "$PREEMPTED" = 1 ] && requeue_and_exit "preempted during bring-up"
+  [ "$TERMINATED" = 1 ] && exit 143
+  return 0
+}
+
+# ---------------------------------------------------------------- addresses
+HEAD_IP=$(timeout 60 srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${ON_NODE[@]}" bash -c "$NODE_IP" | head -n1)
+[ -n "$HEAD_IP" ] || fail "could not get the IP of head node $HEAD${MEGARL_NET_IFACE:+ on interface $MEGARL_NET_IFACE}"
+declare -A IP_OF=()
+while read -r host ip; do IP_OF[$host]=$ip; done < <(timeout 60 srun --overlap --nodes="$N" --ntasks-per-node=1 \
+  "${ON_NODE[@]}" bash -c "echo \$SLURMD_NODENAME \$($NODE_IP)")
+for node in "${NODES[@]}"; do
+  [ -n "${IP_OF[$node]:-}" ] || fail "node $node did not report its IP (srun to it failed or hung)"
+done
+log "head $HEAD at $HEAD_IP; node IPs: $(for n in "${NODES[@]}"; do printf '%s=%s ' "$n" "${IP_OF[$n]}"; done)"
+check_stop
+
+# ---------------------------------------------------------------- preflight
+if [ "$PREFLIGHT" = 1 ]; then
+  log "preflight on ${NODES[*]} (timeout ${PREFLIGHT_TIMEOUT}s)"
+  gpu_arg=(); [ -n "$GPUS_PER_NODE" ] && gpu_arg=(--gpus-per-node "$GPUS_PER_NODE")
+  run_bg_wait timeout --kill-after=10 $((PREFLIGHT_TIMEOUT + 30)) srun --overlap --nodes="$N" --ntasks-per-node=1 \
+    --kill-on-bad-exit=0 "${ON_NODE[@]}" megarl preflight --master-addr "$HEAD_IP" \
+    --master-port "$PREFLIGHT_PORT" --hosts "$(IFS=,; echo "${NODES[*]}")" "${gpu_arg[@]}" --timeout "$PREFLIGHT_TIMEOUT"
+  rc=$?
+  check_stop
+  [ $rc -eq 0 ] || fail "preflight failed (status $rc): see the preflight ERROR lines above for the node(s)"
+fi
+
+# ---------------------------------------------------------------- Ray head, then workers
+# Ray's token authentication with a fresh token per job, passed to every node and the driver in
+# the environment (no shared ~/.ray needed). RAY_AUTH_MODE=disabled opts out; a given
+# RAY_AUTH_TOKEN is used as it is.
+if [ "${RAY_AUTH_MODE:-token}" = token ]; then
+  export RAY_AUTH_MODE=token
+  [ -n "${RAY_AUTH_TOKEN:-}" ] || export RAY_AUTH_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+fi
+ray_args=(--block --disable-usage-stats)
+[ -n "$RAY_NUM_CPUS" ] && ray_args+=(--num-cpus="$RAY_NUM_CPUS")
+[ -n "${MEGARL_RAY_NUM_GPUS:-}" ] && ray_args+=(--num-gpus="$MEGARL_RAY_NUM_GPUS")
+start_ray_on() {  # start_ray_on NODE ARGS...: `ray start --block` as a background job step
+  local node=$1; shift
+  srun --overlap --nodes=1 --ntasks=1 -w "$node" --kill-on-bad-exit=1 "${ON_NODE[@]}" \
+    ray start --node-ip-address="${IP_OF[$node]}" "${ray_args[@]}" "$@" > >(sed -u "s/^/[ray $node] /") 2>&1 &
+  RAY_SRUN[$node]=$!
+}
+log "starting the Ray head on $HEAD ($HEAD_IP:$RAY_PORT)"
+start_ray_on "$HEAD" --head --port="$RAY_PORT" --include-dashboard=false
+export RAY_ADDRESS="$HEAD_IP:$RAY_PORT"
+
+# Alive Ray nodes' IPs, straight from the GCS (no dashboard needed); empty while it is not up.
+ray_node_ips() {
+  timeout 30 python - "$RAY_ADDRESS" <<'EOF' 2>/dev/null
+import sys
+from ray._raylet import GcsClient
+try:
+    nodes = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5)
+except Exception:
+    sys.exit(0)
+for info in nodes.values():
+    if info.state == 0:  # ALIVE
+        print(info.node_manager_address)
+EOF
+}
+
+deadline=$((SECONDS + JOIN_TIMEOUT))
+started_workers=0
+while :; do
+  check_stop
+  for node in "${!RAY_SRUN[@]}"; do
+    if ! alive "${RAY_SRUN[$node]}"; then
+      wait "${RAY_SRUN[$node]}"; rc=$?
+      fail "Ray on node $node (${IP_OF[$node]}) exited during start-up with status $rc; its output above is prefixed [ray $node]"
+    fi
+  done
+  mapfile -t joined < <(ray_node_ips)
+  if [ "$started_workers" = 0 ] && [ ${#joined[@]} -ge 1 ]; then
+    for node in "${NODES[@]:1}"; do start_ray_on "$node" --address="$RAY_ADDRESS"; done
+    started_workers=1
+    log "head is up; starting Ray workers on ${NODES[*]:1}"
+  fi
+  missing=()
+  for node in "${NODES[@]}"; do
+    printf '%s\n' "${joined[@]}" | grep -qxF "${IP_OF[$node]}" || missing+=("$node")
+  done
+  [ ${#missing[@]} -eq 0 ] && break
+  if [ $SECONDS -ge $deadline ]; then
+    fail "Ray nodes not joined after ${JOIN_TIMEOUT}s (MEGARL_RAY_JOIN_TIMEOUT): ${missing[*]} (joined: ${joined[*]:-none})"
+  fi
+  sleep 2
+done
+log "all $N Ray nodes joined: RAY_ADDRESS=$RAY_ADDRESS"
+
+# ---------------------------------------------------------------- the driver
+log "driver on $HEAD: $*"
+srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" --job-name=megarl-driver --kill-on-bad-exit=1 "${ON_NODE[@]}" "$@" &
+DRIVER_PID=$!
+while :; do
+  wait "$DRIVER_PID"; rc=$?
+  alive "$DRIVER_PID" || break  # a trap interrupted the wait: keep waiting for the driver
+done
+if [ "$rc" -gt 128 ]; then wait "$DRIVER_PID" 2>/dev/null; again=$?; [ "$again" != 127 ] && rc=$again; fi
+DRIVER_PID=""
+log "driver exited with status $rc"
+if [ "$PREEMPTED_DURING_RUN" = 1 ]; then
+  requeue_and_exit "preempted while the driver ran (it saved a checkpoint; the next run resumes)"
+fi
+[ "$TERMINATED" = 1 ] && [ $rc -eq 0 ] && rc=143
+exit "$rc"

@@ -1,0 +1,190 @@
+"""launch_scripts/ray_on_slurm.sh on a real two-node Slurm (tests/slurm/conftest.py), with real Ray
+and the real trainer (tiny, CPU):
+
+a. a 2-node job trains: COMPLETED, the steps ran, the Megatron workers ran on both nodes (seen in
+   the OS: the `ray::MegatronWorker` processes of the job carry n1's and n2's SLURMD_NODENAME,
+   i.e. the raylet of each node started one), and nothing of the job is left running;
+b. a node whose `ray start` fails: the job fails fast and names the node;
+c. preemption: the pre-timeout signal makes the job checkpoint, requeue itself, resume from the
+   checkpoint and finish every step exactly once.
+
+Jobs are watched by polling `scontrol show job` (sbatch --wait polls slowly). Processes are
+attributed to a job by SLURM_JOB_ID in their environment (inherited by everything a job starts,
+Ray's daemons and workers included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from parallel.spawn import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "launch_scripts" / "ray_on_slurm.sh"
+VENV_BIN = Path(sys.executable).parent
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED"}
+TRAIN = ["megarl", "train", "configs/quickstart_grpo.yaml"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    from megarl.data.prepare import write_synthetic_arith
+
+    path = tmp_path_factory.mktemp("data") / "arith.parquet"
+    write_synthetic_arith(path, 64, seed=0, partial_credit_scale=5)
+    return str(path)
+
+
+def _env(cluster: dict, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not inside another job
+    env.update(cluster)
+    env.update(PATH=f"{VENV_BIN}:{env['PATH']}", MEGARL_RAY_NUM_CPUS="1", MEGARL_GPUS_PER_NODE="0",
+               RAY_PORT=str(free_port()), MEGARL_PREFLIGHT_PORT=str(free_port()), MEGARL_RAY_JOIN_TIMEOUT="120",
+               MEGARL_PREFLIGHT_TIMEOUT="60", MEGARL_DRIVER_GRACE="180")
+    env.update(extra)
+    return env
+
+
+def _train_args(prompts: str, out: Path, **overrides) -> list[str]:
+    settings = {"data.train_files": f"[{prompts}]", "trainer.output_dir": str(out), "trainer.loggers": "[console]",
+                "cluster.nodes": 2, "cluster.cpu_ranks_per_node": 1, "data.batch_size": 4, "rollout.n": 2,
+                "rollout.max_new_tokens": 2, "actor.micro_batch_size": 4, "ref.micro_batch_size": 4,
+                "trainer.total_steps": 2, "trainer.save_every": 0}
+    settings.update(overrides)
+    return TRAIN + [f"{k}={v}" for k, v in settings.items()] + ["--no-export"]
+
+
+def _submit(env: dict, log: Path, driver: list[str]) -> str:
+    cmd = ["sbatch", "--parsable", "--nodes=2", "--time=00:30:00", "--job-name=megarl-test", f"--output={log}",
+           str(SCRIPT), *driver]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+
+
+def _job(job: str, env: dict) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _job_processes(job: str) -> list[tuple[int, str, str]]:
+    """(pid, command line, node) of every live process a job started."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            environ = proc.environ()
+            if environ.get("SLURM_JOB_ID") == job and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append((proc.pid, " ".join(proc.cmdline()), environ.get("SLURMD_NODENAME", "?")))
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
+def _wait(job: str, env: dict, timeout_s: float, until=None, every=None) -> dict[str, str]:
+    """Poll until the job reaches a final state (or ``until(info)`` is true); ``every()`` runs at
+    each poll. On timeout the job is cancelled and the test fails."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = _job(job, env)
+        if every is not None:
+            every()
+        if info.get("JobState") in FINAL or (until is not None and until(info)):
+            return info
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], env=env)
+            pytest.fail(f"job {job} still {info.get('JobState')} after {timeout_s:.0f} s (cancelled)")
+        time.sleep(1)
+
+
+def _no_leftovers(job: str, timeout_s: float = 30) -> list[tuple[int, str, str]]:
+    deadline = time.monotonic() + timeout_s
+    while (left := _job_processes(job)) and time.monotonic() < deadline:
+        time.sleep(1)
+    return left
+
+
+def _log(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else "(no job log)"
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_two_node_training_job(slurm_cluster, prompts, tmp_path):
+    env = _env(slurm_cluster, MEGARL_VENV=str(VENV_BIN.parent))
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    job = _submit(env, log, _train_args(prompts, out))
+    seen: dict[str, set[str]] = {}
+
+    def snapshot():
+        for _, cmdline, node in _job_processes(job):
+            for name in ("ray::MegatronWorker", "ray::RolloutWorker", "raylet", "gcs_server", "megarl train"):
+                if name in cmdline:
+                    seen.setdefault(name, set()).add(node)
+
+    info = _wait(job, env, timeout_s=420, every=snapshot)
+    text = _log(log)
+    assert info["JobState"] == "COMPLETED", f"job {job}: {info.get('JobState')}\n{text[-6000:]}"
+    assert [m["step"] for m in _metrics(out)] == [1, 2], text[-3000:]
+    assert "preflight: 2 node(s), backend gloo: OK" in text and "all 2 Ray nodes joined" in text, text[-3000:]
+    # Each node's raylet ran one Megatron rank: the workers ran on both nodes; the driver on the head.
+    assert seen.get("ray::MegatronWorker") == {"n1", "n2"}, seen
+    assert seen.get("raylet") == {"n1", "n2"}, seen
+    assert seen.get("megarl train") == {"n1"}, seen
+    assert _no_leftovers(job) == [], "processes of the finished job still running"
+
+
+def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_cluster, tmp_path):
+    # The fault: on n2 `ray` is broken (e.g. a bad install on one node); everywhere else it is the real one.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ray").write_text("#!/bin/bash\n"
+                              'if [ "$(hostname)" = n2 ]; then echo "ray: broken installation on $(hostname)" >&2; '
+                              "exit 1; fi\n"
+                              f'exec {VENV_BIN / "ray"} "$@"\n')
+    (fake / "ray").chmod(0o755)
+    env = _env(slurm_cluster)
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    log = tmp_path / "job.out"
+    job = _submit(env, log, ["python", "-c", "print('the driver should not run')"])
+    info = _wait(job, env, timeout_s=240, until=lambda i: i.get("JobState") == "RUNNING")
+    started = time.monotonic()
+    info = _wait(job, env, timeout_s=180)
+    elapsed = time.monotonic() - started
+    text = _log(log)
+    assert info["JobState"] == "FAILED", f"job {job}: {info.get('JobState')}\n{text[-4000:]}"
+    assert elapsed < 120, f"the job took {elapsed:.0f} s to fail\n{text[-4000:]}"
+    error = [line for line in text.splitlines() if "ERROR" in line]
+    assert any("n2" in line for line in error), text[-4000:]
+    assert "the driver should not run" not in text
+    assert _no_leftovers(job) == [], "processes of the failed job still running"
+
+
+def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, prompts, tmp_path):
+    env = _env(slurm_cluster)
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    job = _submit(env, log, _train_args(prompts, out, **{"trainer.total_steps": 3, "trainer.save_every": 1}))
+    first = out / "checkpoints" / "step_000001" / "trainer_state.json"
+    _wait(job, env, timeout_s=420, until=lambda i: first.is_file())
+    assert _job(job, env).get("JobState") == "RUNNING", _log(log)[-4000:]
+    # What Slurm does at --signal=B:USR1@<secs> before the time limit: USR1 to the batch shell.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True)
+    info = _wait(job, env, timeout_s=480)
+    text = _log(log)
+    assert info["JobState"] == "COMPLETED", f"job {job}: {info.get('JobState')}\n{text[-6000:]}"
+    assert int(info["Restarts"]) >= 1, info
+    assert "requeueing job" in text and "SIGTERM received" in text, text[-6000:]
+    assert re.search(r"megarl: resumed from \S+step_00000[12] \(step [12]\)", text), text[-6000:]
+    steps = [m["step"] for m in _metrics(out)]
+    assert steps == [1, 2, 3], steps  # numbering continues across the requeue; no step ran twice
+    assert _no_leftovers(job) == [], "processes of the finished job still running"
