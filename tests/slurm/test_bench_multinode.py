@@ -66,26 +66,10 @@ def _wait(job: str, env: dict, timeout_s: float) -> str:
 
 
 @pytest.fixture
-def slurm_env(request) -> dict:
-    """The environment for Slurm clients: tests/slurm/conftest.py's cluster fixture when there is
-    one, else a cluster already up (ci/slurm_up.sh), else the test is skipped."""
-    try:
-        cluster = request.getfixturevalue("slurm_cluster")
-    except pytest.FixtureLookupError:
-        cluster = None
-    env = dict(os.environ)
-    if isinstance(cluster, dict):
-        env.update(cluster)
-    elif cluster is not None and isinstance(getattr(cluster, "env", None), dict):
-        env.update(cluster.env)
-    if "SLURM_CONF" not in env:
-        conf = Path(os.environ.get("MEGARL_SLURM_DIR", "/tmp/megarl-slurm")) / "slurm.conf"
-        env["SLURM_CONF"] = str(conf)
-    probe = subprocess.run(["sinfo", "-h", "-o", "%D"], env=env, capture_output=True, text=True)
-    if cluster is None and probe.returncode != 0:
-        pytest.skip("no local Slurm cluster (bash ci/slurm_up.sh starts one)")
-    for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
-        del env[key]  # not inside another job
+def slurm_env(slurm_cluster) -> dict:
+    """Slurm client environment (tests/slurm/conftest.py's cluster), not inside any other job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(slurm_cluster)
     return env
 
 
