@@ -120,7 +120,8 @@ class Trainer:
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
             else:
-                ray.init(num_cpus=max(os.cpu_count() or 1, world), num_gpus=world if gpu else 0,
+                # "local": a Ray of our own even when another one runs on this host (Ray would join it)
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), num_gpus=world if gpu else 0,
                          include_dashboard=False, log_to_driver=False, logging_level="WARNING")
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
