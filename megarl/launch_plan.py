@@ -227,6 +227,10 @@ def _fixes(cfg: RunConfig, pool: PoolPlan) -> str:
     return "fix: " + "; or ".join(fixes)
 
 
+def _count(n: float) -> str:
+    return next(f"{n / d:.2f}{u}" for d, u in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, "")) if n >= d or d == 1)
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:6.1f}"
 
@@ -238,7 +242,7 @@ def format_plan(plan: LaunchPlan) -> str:
     shape = ModelShape.from_hf(model_hf_config(cfg.model.path))
     c = cfg.cluster
     unit = "GPUs" if c.device == "gpu" else "CPU ranks"
-    out = [f"model {cfg.model.path}: {shape.total_params() / 1e9:.2f}B parameters ({cfg.model.dtype}), "
+    out = [f"model {cfg.model.path}: {_count(shape.total_params())} parameters ({cfg.model.dtype}), "
            f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads} query / {shape.kv_heads} KV heads, "
            f"vocab {shape.vocab}",
            f"cluster: {c.nodes} nodes x {c.ranks_per_node} {unit} = {c.world_size} ranks; pools: "
@@ -314,7 +318,7 @@ def conversion_plan(cfg: RunConfig, ranks_per_node: int, verify: bool = True) ->
     world = cfg.cluster.world_size
     per_rank = max(megatron_stage_params(shape, layout, s) for s in range(layout.pp)) * 4 * (2 if verify else 1)
     return "\n".join([
-        f"conversion of {cfg.model.path} ({shape.total_params() / 1e9:.2f}B parameters) at tp={layout.tp} "
+        f"conversion of {cfg.model.path} ({_count(shape.total_params())} parameters) at tp={layout.tp} "
         f"pp={layout.pp} vpp={layout.vpp or '-'}: {world} ranks ({world // ranks_per_node} nodes x {ranks_per_node})",
         f"host memory: {per_rank / GiB:.1f} GiB per rank (fp32 shard{' + its read-back copy' if verify else ''}), "
         f"{per_rank * ranks_per_node / GiB:.0f} GiB per node",

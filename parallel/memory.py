@@ -204,8 +204,8 @@ def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfl
         total = sum(parts.values())
         if best is None or total > best[0]:
             best = (total, parts)
-    notes = [f"{shape.total_params() / 1e9:.2f}B parameters; busiest rank holds "
-             f"{best[1]['params'] / size / 1e9:.2f}B ({dtype}); {tokens_per_micro_batch} tokens per micro-batch"]
+    notes = [f"{shape.total_params():,} parameters; busiest rank holds {best[1]['params'] // size:,} ({dtype}); "
+             f"{tokens_per_micro_batch} tokens per micro-batch"]
     if trainable:
         notes.append("grads fp32; Adam " + ("fp32 master + " if dtype != "float32" else "") + "2 moments"
                      + (f" sharded over dp*cp={dp * cp}" if layout.use_distributed_optimizer else " (not sharded)")
