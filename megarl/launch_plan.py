@@ -20,6 +20,12 @@ Phases of a pool (what is on a GPU at the same time):
 
 SGLang's reservation is ``mem_fraction_static`` of the memory free when the engines start,
 after the colocated Megatron workers have built their models and optimizers.
+
+Each role contributes its own busiest rank (the first pipeline stage for a trained model: most
+activations in flight; the last for a forward-only one: the logits), and a pool adds them up as
+if they were on one GPU: conservative by at most the embedding/output-layer shard and the logits.
+The plan follows the config's pools; note that ``megarl train`` today places the Megatron
+workers on every rank of the cluster (separate rollout pools are planned, not yet honoured).
 """
 
 from __future__ import annotations
