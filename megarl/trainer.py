@@ -73,10 +73,32 @@ def config_fingerprint(cfg: RunConfig) -> dict:
 # ----------------------------------------------------------------------------- the controller
 
 
+def not_yet_supported(cfg: RunConfig) -> list[str]:
+    """Valid settings the trainer does not implement yet, each with what to set instead. Today every
+    role runs on the actor's ranks: reference and critic with the actor's layout, SGLang colocated."""
+    problems = []
+    if cfg.rollout.placement == "separate":
+        problems.append(f"rollout.placement=separate (pool {cfg.rollout.pool!r}): engines on their own ranks are "
+                        "not implemented; set rollout.placement=colocated rollout.pool=null")
+    if cfg.cluster.pools and cfg.world_size_for("actor") != cfg.cluster.world_size:
+        problems.append(f"cluster.pools={cfg.cluster.pools}: the actor's pool {cfg.actor.pool!r} must hold every rank "
+                        f"({cfg.cluster.world_size}); set cluster.pools={{}} actor.pool=global")
+    for role in ("ref", "critic"):
+        section = getattr(cfg, role)
+        if section.pool not in (None, cfg.actor.pool):
+            problems.append(f"{role}.pool={section.pool}: the {role} shares the actor's ranks; set {role}.pool=null")
+        if section.layout is not None and section.layout != cfg.actor.layout:
+            problems.append(f"{role}.layout={section.layout}: the {role} uses the actor's layout; set {role}.layout=null")
+    return problems
+
+
 class Trainer:
     """Builds the workers of ``cfg`` (validated) and runs ``trainer.total_steps`` RL steps."""
 
     def __init__(self, cfg: RunConfig, log=print):
+        problems = not_yet_supported(cfg)
+        if problems:
+            raise RunError("this configuration is valid but the trainer does not run it yet:\n  " + "\n  ".join(problems))
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.trainer.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)

@@ -184,3 +184,8 @@ def test_broken_config_and_missing_data_fail_before_ray(prompts, tmp_path):
     code, output = _run(_overrides(str(tmp_path / "missing.parquet"), tmp_path / "b"), timeout_s=120)
     assert code == 2 and "missing.parquet" in output, output
     assert "ray" not in output.lower()
+    separate = {"cluster.cpu_ranks_per_node": 2, "cluster.pools": "{train: 1, rollout: 1}", "actor.pool": "train",
+                "rollout.placement": "separate", "rollout.pool": "rollout", "ref.micro_batch_size": 2}
+    code, output = _run(_overrides(prompts, tmp_path / "c", **separate), timeout_s=120)
+    assert code == 2 and "rollout.placement=separate" in output and "not implemented" in output, output
+    assert "ray" not in output.lower()
