@@ -87,6 +87,11 @@ fi
 export MEGARL_ACTIVATE=${MEGARL_ACTIVATE:-}
 # Every command on a node runs through this: the activation command first, then the command.
 ON_NODE=(bash -c 'eval "$MEGARL_ACTIVATE" || { echo "MEGARL_ACTIVATE failed on $(hostname)" >&2; exit 3; }; exec "$@"' on-node)
+# The driver runs through this wrapper: Slurm delivers a forwarded signal to every process of the
+# step, so the driver starts with USR2 ignored, and the wrapper turns USR2 into SIGTERM for it.
+DRIVER_TASK=(bash -c 'eval "$MEGARL_ACTIVATE" || exit 3; trap "" USR2; "$@" & child=$!
+  trap "kill -TERM $child 2>/dev/null" USR2
+  while :; do wait "$child"; rc=$?; kill -0 "$child" 2>/dev/null || exit "$rc"; done' driver)
 # This node's IP: of MEGARL_NET_IFACE, else the first address of its host name.
 NODE_IP='if [ -n "${MEGARL_NET_IFACE:-}" ]; then ip -4 -o addr show dev "$MEGARL_NET_IFACE" | awk "{print \$4}" | cut -d/ -f1 | head -n1; else hostname --ip-address | awk "{print \$1}"; fi'
 eval "$MEGARL_ACTIVATE" || { err "MEGARL_ACTIVATE failed on the batch node $(hostname)"; exit 3; }
@@ -114,17 +119,12 @@ wait_gone() {  # wait_gone SECONDS PID... : until all exited or the time is up
   done
 }
 
-# SIGTERM to the driver's task itself. (SIGTERM to its srun would end the whole step: Slurm sends
-# SIGTERM and SIGKILL KillWait seconds later, too soon for a checkpoint.)
+# SIGTERM to the driver process itself. Not to its srun: srun answers SIGTERM by ending the whole
+# step (SIGKILL KillWait seconds later, too soon for a checkpoint). srun forwards SIGUSR2 as it
+# is, and the driver's wrapper (DRIVER_TASK) turns it into SIGTERM for the driver.
 signal_driver() {
   alive "$DRIVER_PID" || return 0
-  local step
-  step=$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null | awk '$2 == "megarl-driver" {print $1; exit}')
-  if [ -n "$step" ] && scancel --signal=TERM "$step" 2>/dev/null; then
-    log "sent SIGTERM to the driver (step $step)"
-  else
-    kill -TERM "$DRIVER_PID" 2>/dev/null
-  fi
+  kill -USR2 "$DRIVER_PID" 2>/dev/null && log "sent SIGTERM to the driver"
 }
 
 stop_driver() {
@@ -298,7 +298,7 @@ log "all $N Ray nodes joined: RAY_ADDRESS=$RAY_ADDRESS"
 
 # ---------------------------------------------------------------- the driver
 log "driver on $HEAD: $*"
-srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" --job-name=megarl-driver --kill-on-bad-exit=1 "${ON_NODE[@]}" "$@" &
+srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" --job-name=megarl-driver --kill-on-bad-exit=1 "${DRIVER_TASK[@]}" "$@" &
 DRIVER_PID=$!
 while :; do
   wait "$DRIVER_PID"; rc=$?
