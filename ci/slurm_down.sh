@@ -9,6 +9,11 @@ DIR=${MEGARL_SLURM_DIR:-/tmp/megarl-slurm}
 HOSTS_BEGIN="# BEGIN megarl-slurm test cluster (made by slurm_up.sh, removed by slurm_down.sh)"
 HOSTS_END="# END megarl-slurm"
 say() { echo "slurm_down: $*"; }
+# One up/down at a time on this host (test sessions may start together).
+if [ -z "${MEGARL_SLURM_LOCKED:-}" ]; then
+  exec 9>"${DIR%/}.lock"
+  flock -w 300 9 || { echo "${0##*/}: ERROR: ${DIR%/}.lock held for 300 s" >&2; exit 1; }
+fi
 
 # A recorded PID is only signalled if it still is the daemon that was started, with our state dir
 # on its command line (PIDs get reused).

@@ -31,6 +31,11 @@ HOSTS_END="# END megarl-slurm"
 export SLURM_CONF="$DIR/slurm.conf"
 
 say() { echo "slurm_up: $*"; }
+# One up/down at a time on this host (test sessions may start together).
+if [ -z "${MEGARL_SLURM_LOCKED:-}" ]; then
+  exec 9>"${DIR%/}.lock"
+  flock -w 300 9 || { echo "${0##*/}: ERROR: ${DIR%/}.lock held for 300 s" >&2; exit 1; }
+fi
 die() { echo "slurm_up: ERROR: $*" >&2; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "must run as root (it starts slurmd/slurmctld/munged and edits /etc/hosts)"
@@ -47,7 +52,7 @@ if [ -f "$DIR/pids" ]; then
     exit 0
   fi
   say "a previous cluster in $DIR is (partly) down: stopping its rest first"
-  bash "$(dirname "${BASH_SOURCE[0]}")/slurm_down.sh"
+  MEGARL_SLURM_LOCKED=1 bash "$(dirname "${BASH_SOURCE[0]}")/slurm_down.sh"
 fi
 
 # ---------------------------------------------------------------- packages
