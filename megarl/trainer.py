@@ -194,15 +194,17 @@ class Trainer:
                                   clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                                   entropy_coef=a.entropy_coef, kl_coef=kl.coef if kl.enabled else 0.0,
                                   kl_estimator=kl.estimator, kl_clamp=kl.clamp)
-        specs = [ModelSpec("actor", self.model_dir, layout, MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch),
+        packed = a.sequence_packing
+        specs = [ModelSpec("actor", self.model_dir, layout,
+                           MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch, packed),
                            a.optim, cfg.trainer.total_steps * steps_per_rl_step, actor_loss, cfg.model.dtype)]
         if self.needs_reference:
-            specs.append(ModelSpec("ref", self.model_dir, layout, MicroBatching(cfg.ref.micro_batch_size),
+            specs.append(ModelSpec("ref", self.model_dir, layout, MicroBatching(cfg.ref.micro_batch_size, packed=packed),
                                    dtype=cfg.model.dtype))
         if cfg.critic.enabled:
             c = cfg.critic
             specs.append(ModelSpec("critic", c.model_path or self.model_dir, layout,
-                                   MicroBatching(c.micro_batch_size, c.max_tokens_per_micro_batch), c.optim,
+                                   MicroBatching(c.micro_batch_size, c.max_tokens_per_micro_batch, packed), c.optim,
                                    cfg.trainer.total_steps * c.ppo_epochs * self._minibatches_per_step(c.mini_batch_size),
                                    LossSettings(loss_agg_mode=c.loss_agg_mode, value_clip=c.value_clip,
                                                 max_len=cfg.rollout.max_new_tokens), cfg.model.dtype))

@@ -350,9 +350,10 @@ def packed_loss_grads(lengths, seed):
     return result
 
 
-def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_batch_size):
+def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_batch_size, packed=False):
     """A MegatronWorker (actor + reference) at a layout: the reference's log-probs/entropy of
-    ``batch``, then ``steps`` PPO updates of the actor on it and the actor's log-probs after."""
+    ``batch``, then ``steps`` PPO updates of the actor on it and the actor's log-probs after.
+    ``packed``: micro-batches are packed rows (thd) instead of padded ones."""
     from megarl.config.schema import OptimSettings
     from megarl.workers.batch import MicroBatching, response_mask
     from megarl.workers.megatron_worker import LossSettings, MegatronWorker, ModelSpec
@@ -360,7 +361,7 @@ def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_b
 
     layout = MegatronLayout(**layout_kwargs)
     worker = MegatronWorker()
-    batching = MicroBatching(micro_batch_size=micro_batch_size)
+    batching = MicroBatching(micro_batch_size=micro_batch_size, packed=packed)
     loss = LossSettings(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01, kl_coef=0.1)
     worker.setup(ModelSpec("ref", hf_dir, layout, batching), seed=7)
     worker.setup(ModelSpec("actor", hf_dir, layout, batching, OptimSettings(lr=lr, weight_decay=0.0),

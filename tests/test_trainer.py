@@ -148,7 +148,8 @@ def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_
     out = tmp_path / "ppo"
     settings = {"trainer.total_steps": 50, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 1,
                 "data.batch_size": 32, "rollout.n": 1, "actor.micro_batch_size": 32, "ref.micro_batch_size": 32,
-                "critic.micro_batch_size": 32, "algorithm.advantage": "gae", "algorithm.lam": 0.95,
+                "critic.micro_batch_size": 32, "actor.sequence_packing": "true",  # packed rows, all 3 models
+                "algorithm.advantage": "gae", "algorithm.lam": 0.95,
                 "algorithm.kl_penalty.enabled": "true", "ref.enabled": "true", "critic.enabled": "true",
                 "critic.optim.lr": 5e-4, "reward.functions": f"{{synthetic_arith: {reward_file}:shifted}}"}
     proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **settings) + ["--no-export"], cwd=ROOT,

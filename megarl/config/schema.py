@@ -97,6 +97,9 @@ class ActorConfig:
     # micro-batches, balanced over data-parallel ranks).
     micro_batch_size: int = 1
     max_tokens_per_micro_batch: int | None = None
+    # Pack each micro-batch's sequences into one row (thd, no padding between them) for every
+    # Megatron model of the run (actor, reference, critic); false = right-padded rows.
+    sequence_packing: bool = False
     # Prompts per optimizer step (each with rollout.n samples); null = data.batch_size (one
     # optimizer step per epoch over the batch).
     mini_batch_size: int | None = None

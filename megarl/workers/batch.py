@@ -30,6 +30,7 @@ class MicroBatching:
 
     micro_batch_size: int = 1
     max_tokens: int | None = None
+    packed: bool = False  # a micro-batch is one packed row (thd) instead of padded rows
 
 
 def sequence_lengths(batch: dict) -> torch.Tensor:
@@ -87,3 +88,37 @@ def make_micro_batch(batch: dict, rows: list[int], length: int, num_rows: int) -
 
 def padded_length(length: int, multiple: int) -> int:
     return max(multiple, math.ceil(length / multiple) * multiple)
+
+
+def packed_row_length(batch: dict, rows: list[int], slot_multiple: int) -> int:
+    """Tokens of ``rows`` packed into one row, each sequence's slot rounded up to ``slot_multiple``."""
+    return sum(padded_length(int(sequence_lengths(batch)[r]), slot_multiple) for r in rows)
+
+
+def make_packed_micro_batch(batch: dict, rows: list[int], length: int, slot_multiple: int) -> dict:
+    """Rows ``rows`` of ``batch`` packed into ONE row of ``length`` tokens (``parallel.packing``:
+    slots rounded up to ``slot_multiple``, a padding sequence filling the rest), with the same
+    fields as ``make_micro_batch``: ``gather_index`` holds row positions, ``packed`` the row."""
+    from parallel.packing import pack_sequences
+
+    width = response_mask(batch).shape[1]
+    sequences = [batch["input_ids"][r, : int(sequence_lengths(batch)[r])] for r in rows]
+    filler = length - packed_row_length(batch, rows, slot_multiple)
+    if filler < 0 or filler % slot_multiple:
+        raise ValueError(f"a packed row of {length} tokens cannot hold rows {rows} in slots of {slot_multiple}")
+    if filler:
+        sequences.append(torch.zeros(filler, dtype=torch.long))  # no response: never gathered
+    packed = pack_sequences(sequences, pad_to_multiple=slot_multiple)
+    num_rows = max(len(rows), 1)
+    gather = torch.zeros(num_rows, width, dtype=torch.long)
+    mask = torch.zeros(num_rows, width)
+    fields = {k: torch.zeros(num_rows, width) for k in RESPONSE_FIELDS if k in batch}
+    for slot, (row, start) in enumerate(zip(rows, packed.cu_seqlens_padded.tolist())):
+        prompt, response = int(batch["prompt_lengths"][row]), int(batch["response_lengths"][row])
+        gather[slot, :response] = torch.arange(start + prompt - 1, start + prompt - 1 + response)
+        mask[slot, :response] = 1.0
+        for key, value in fields.items():
+            value[slot] = batch[key][row, :width].float()
+    targets, _ = packed.next_token_targets()
+    return {"tokens": packed.tokens, "targets": targets, "gather_index": gather, "response_mask": mask,
+            "rows": torch.tensor(list(rows) or [-1]), "packed": packed, **fields}

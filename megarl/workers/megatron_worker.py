@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from megarl.workers.batch import MicroBatching, data_parallel_rows, make_micro_batch, padded_length, response_mask
+from megarl.workers.batch import (MicroBatching, data_parallel_rows, make_micro_batch, make_packed_micro_batch,
+                                  packed_row_length, padded_length, response_mask)
 
 ROLES = ("actor", "ref", "critic")
 
@@ -136,10 +137,12 @@ class MegatronWorker:
         if spec.role == "critic":
             from parallel.value_head import build_value_model_chunks, load_hf_into_value_chunks
 
-            chunks = build_value_model_chunks(ckpt.config, spec.layout, params_dtype=dtype)
+            chunks = build_value_model_chunks(ckpt.config, spec.layout, params_dtype=dtype,
+                                              packed_sequences=spec.batching.packed)
             load_hf_into_value_chunks(chunks, ckpt, spec.layout)
         else:
-            chunks = build_model_chunks(ckpt.config, spec.layout, params_dtype=dtype)
+            chunks = build_model_chunks(ckpt.config, spec.layout, params_dtype=dtype,
+                                        packed_sequences=spec.batching.packed)
             load_hf_into_chunks(chunks, ckpt, spec.layout)
         optimizer = None
         if spec.optim is not None:
@@ -184,6 +187,13 @@ class MegatronWorker:
         mine = plan[dp_rank]
         if layout.vpp and len(mine) % layout.pp:
             mine = mine + [[] for _ in range(layout.pp - len(mine) % layout.pp)]
+        if model.spec.batching.packed:  # one row per micro-batch; sequences in slots CP can split
+            slot = 2 * layout.cp if layout.cp > 1 else 1
+            row_multiple = layout.sequence_length_multiple()
+            longest_row = max(packed_row_length(batch, rows, slot) for share in plan for rows in share)
+            return [make_packed_micro_batch(
+                batch, rows, padded_length(longest_row if pipelined else packed_row_length(batch, rows, slot),
+                                           row_multiple), slot) for rows in mine]
         micro = []
         for rows in mine:
             longest = longest_all if pipelined else max([lengths[r] for r in rows] or [1])
@@ -200,6 +210,14 @@ class MegatronWorker:
 
         def forward_step(data_iterator, module):
             mb = next(data_iterator)
+            if "packed" in mb:  # row positions of this CP rank's tokens; RoPE restarts per sequence
+                packed = mb["packed"]
+                mine = packed.local_positions()
+                local = {"tokens": mb["tokens"][:, mine], "targets": mb["targets"][:, mine],
+                         "position_ids": mine.unsqueeze(0)}
+                output = module(local["tokens"], packed.position_ids[:, mine], attention_mask=None,
+                                packed_seq_params=packed.packed_seq_params())
+                return output, lambda out: loss_of(mb, local, out)
             positions = torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"])
             local = split_for_context_parallel({"tokens": mb["tokens"], "targets": mb["targets"],
                                                 "position_ids": positions})
@@ -232,17 +250,21 @@ class MegatronWorker:
             per_token = {"logp": undo_context_parallel_split(logp, local["position_ids"])}
             if entropy is not None:
                 per_token["entropy"] = undo_context_parallel_split(entropy, local["position_ids"])
-        return {key: value.gather(1, mb["gather_index"]) for key, value in per_token.items()}
+        index = mb["gather_index"]  # [rows, R] positions; a packed micro-batch is one row of all
+        return {key: value.expand(len(index), -1).gather(1, index) for key, value in per_token.items()}
 
     @torch.no_grad()
     def forward(self, role: str, batch: dict, with_entropy: bool = False) -> dict | None:
         """Per-response-token log-probs (``logp``, ``entropy``) or values (critic) of every row of
-        ``batch``; returned by this replica's output rank as {"rows", <field>: [n, R]}, else None."""
+        ``batch`` (0 past each response's end); returned by this replica's output rank as
+        {"rows", <field>: [n, R]}, else None."""
         model = self.models[role]
         micro = self._micro_batches(model, batch)
 
         def loss_of(mb, local, output):
             outputs = self._token_outputs(model, mb, local, output, with_entropy)
+            real = mb["response_mask"].bool()  # past a response's end: 0, whatever was gathered
+            outputs = {key: torch.where(real, value, torch.zeros_like(value)) for key, value in outputs.items()}
             return output.sum() * 0.0, {"rows": mb["rows"], **outputs}
 
         collected = self._run(model, micro, loss_of, forward_only=True)

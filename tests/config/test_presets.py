@@ -14,6 +14,7 @@ _70B = str(CONFIGS_DIR / "llama3_70b_grpo_32x8.yaml")
 COMPOSITIONS = {
     "quickstart_grpo.yaml": None,
     "llama3_70b_grpo_32x8.yaml": None,
+    "llama3_70b_ppo_32x8.yaml": None,
     **{f"algorithm/{name}.yaml": [_QUICK, f"algorithm/{name}"]
        for name in ("grpo", "ppo", "dapo", "drgrpo", "rloo", "reinforce_plus_plus", "gspo")},
     "layout/tp1.yaml": [_QUICK, "model/tiny-llama", "layout/tp1", "cluster/local-cpu-4"],

@@ -1,5 +1,6 @@
-"""The Megatron worker: log-probs equal HF transformers' at every layout, and the same PPO
-updates give the same losses at every layout (the update is a function of the batch only)."""
+"""The Megatron worker: log-probs equal HF transformers' at every layout, padded or packed
+(sequences in one thd row), and the same PPO updates give the same losses at every layout (the
+update is a function of the batch only)."""
 
 import pytest
 import torch
@@ -60,12 +61,16 @@ def hf_dir(tmp_path_factory):
     return save_tiny_hf_model("tiny-llama", tmp_path_factory.mktemp("hf") / "m", seed=1)
 
 
+# name -> (layout, world size, packed micro-batches: sequences packed into one thd row)
 LAYOUTS = {
-    "tp1_dp2": (dict(tp=1), 2),
-    "tp2": (dict(tp=2), 2),
-    "pp2": (dict(pp=2), 2),
-    "cp2": (dict(cp=2), 2),
-    "tp2_sp": (dict(tp=2, sequence_parallel=True), 2),
+    "tp1_dp2": (dict(tp=1), 2, False),
+    "tp2": (dict(tp=2), 2, False),
+    "pp2": (dict(pp=2), 2, False),
+    "cp2": (dict(cp=2), 2, False),
+    "tp2_sp": (dict(tp=2, sequence_parallel=True), 2, False),
+    "packed_pp2": (dict(pp=2), 2, True),
+    "packed_cp2": (dict(cp=2), 2, True),
+    "packed_tp2_sp": (dict(tp=2, sequence_parallel=True), 2, True),
 }
 
 
@@ -73,8 +78,8 @@ LAYOUTS = {
 def results(hf_dir):
     batch = rollout_batch(200)
     out = {}
-    for name, (layout, world) in LAYOUTS.items():
-        out[name] = run_on_ranks(worker_logprobs_and_updates, world, hf_dir, layout, batch, 2, 1e-3, 2,
+    for name, (layout, world, packed) in LAYOUTS.items():
+        out[name] = run_on_ranks(worker_logprobs_and_updates, world, hf_dir, layout, batch, 2, 1e-3, 2, packed,
                                  timeout_s=240)
     return batch, out
 
