@@ -4,7 +4,8 @@ and the real trainer (tiny, CPU):
 a. a 2-node job trains: COMPLETED, the steps ran, the Megatron workers ran on both nodes (seen in
    the OS: the `ray::MegatronWorker` processes of the job carry n1's and n2's SLURMD_NODENAME,
    i.e. the raylet of each node started one), and nothing of the job is left running;
-b. a node whose `ray start` fails: the job fails fast and names the node;
+b. a node whose `ray start` fails, or never joins: the job fails within a bounded time and names
+   the node;
 c. preemption: the pre-timeout signal makes the job checkpoint, requeue itself, resume from the
    checkpoint and finish every step exactly once.
 
@@ -144,16 +145,18 @@ def test_two_node_training_job(slurm_cluster, prompts, tmp_path):
     assert _no_leftovers(job) == [], "processes of the finished job still running"
 
 
-def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_cluster, tmp_path):
-    # The fault: on n2 `ray` is broken (e.g. a bad install on one node); everywhere else it is the real one.
+@pytest.mark.parametrize("fault", ["exits", "hangs"])
+def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_cluster, tmp_path, fault):
+    # The fault, on n2 only: `ray start` fails (a broken install) or never joins (e.g. the head is
+    # unreachable from it); everywhere else `ray` is the real one.
+    broken = {"exits": 'echo "ray: broken installation on $(hostname)" >&2; exit 1',
+              "hangs": 'echo "ray: $(hostname) cannot reach the head" >&2; exec sleep 600'}[fault]
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "ray").write_text("#!/bin/bash\n"
-                              'if [ "$(hostname)" = n2 ]; then echo "ray: broken installation on $(hostname)" >&2; '
-                              "exit 1; fi\n"
-                              f'exec {VENV_BIN / "ray"} "$@"\n')
+    (fake / "ray").write_text(f'#!/bin/bash\nif [ "$(hostname)" = n2 ] && [ "$1" = start ]; then '
+                              f'{broken}; fi\nexec {VENV_BIN / "ray"} "$@"\n')
     (fake / "ray").chmod(0o755)
-    env = _env(slurm_cluster)
+    env = _env(slurm_cluster, MEGARL_RAY_JOIN_TIMEOUT="30")
     env["PATH"] = f"{fake}:{env['PATH']}"
     log = tmp_path / "job.out"
     job = _submit(env, log, ["python", "-c", "print('the driver should not run')"])
