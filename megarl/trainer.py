@@ -231,6 +231,13 @@ class Trainer:
 
         return ray.get([getattr(e, method).remote(*args) for e in self.engines])
 
+    def engines_hold_memory(self, hold: bool) -> None:
+        """Hybrid engine on GPUs: colocated engines free their weights and KV cache while Megatron
+        trains (``hold=False``) and take them back before the weight sync refills them. Nothing
+        to do on CPU or with a separate rollout pool."""
+        if self.cfg.rollout.placement == "colocated" and self.cfg.cluster.device == "gpu":
+            self._call_engines("resume_memory" if hold else "release_memory")
+
     def _forward(self, role: str, batch: dict, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """A role's per-response-token outputs for the whole batch, in row order."""
         parts = [p for p in self._call_workers("forward", role, batch, with_entropy) if p is not None]
@@ -338,7 +345,8 @@ class Trainer:
         shards = [w.rollout_shards.remote(self.plan) for w in self.workers]
         results = ray.get([engine.update_weights.remote(*shards[e * tp:(e + 1) * tp])
                            for e, engine in enumerate(self.engines)])
-        return {"sync/bytes": sum(r["bytes"] for r in results), "sync/buckets": results[0]["buckets"]}
+        return {"sync/bytes": sum(r["bytes"] for r in results), "sync/buckets": results[0]["buckets"],
+                "sync/push_s": max(r["push_s"] for r in results), "sync/verify_s": max(r["verify_s"] for r in results)}
 
     # ------------------------------------------------------------------ the algorithms
 
@@ -509,6 +517,7 @@ def rl_step(t: Trainer) -> dict[str, float]:
     start = time.perf_counter()
     with timed("generate"):
         batch = t.generate(t.loader.next_batch())
+    t.engines_hold_memory(False)
     with timed("reward"):
         scores, reward_stats = t.score(batch)
     if t.needs_reference:
@@ -524,6 +533,7 @@ def rl_step(t: Trainer) -> dict[str, float]:
     with timed("update"):
         metrics.update(t.update(batch))
     with timed("sync"):
+        t.engines_hold_memory(True)
         metrics.update(t.sync_weights())
     _finish_metrics(t, batch, scores, reward_stats, metrics, start)
     return metrics
