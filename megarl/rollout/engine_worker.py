@@ -19,12 +19,16 @@ class RolloutWorker:
 
     def __init__(self, model_path: str, tp_size: int, dtype: str, engine_kwargs: dict[str, Any]):
         self.engine = SGLangEngine(model_path, tp_size=tp_size, dtype=dtype, **engine_kwargs)
+        self._stale_prefix_cache = False  # weights changed, cached KV not flushed yet
 
     def generate(self, prompts: list[list[int]], sampling_params: list[dict], seed: int | None) -> list[dict]:
         """One dict per prompt: ``output_ids``, ``output_logprobs``, ``finish_reason``. With
         ``seed``, sampling is re-seeded first so the tokens are a function of (weights, seed)."""
         if seed is not None:
-            self.engine.reseed(seed)
+            self.engine.reseed(seed)  # also flushes the prefix cache
+        elif self._stale_prefix_cache:
+            self.engine.call("flush_cache")
+        self._stale_prefix_cache = False
         return self.engine.generate(prompts, sampling_params, return_logprob=True)
 
     def update_weights(self, *per_rank: dict[str, torch.Tensor] | None) -> dict[str, float]:
@@ -32,7 +36,8 @@ class RolloutWorker:
         if any(tensors is None for tensors in per_rank):
             raise ValueError("weight sync: an engine rank received no shards (the plan's destinations "
                              "and the engine's ranks disagree)")
-        return sync_weights(self.engine, list(per_rank))
+        self._stale_prefix_cache = True  # flushed by the next generate (cheaply, when it re-seeds)
+        return sync_weights(self.engine, list(per_rank), flush_cache=False)
 
     def release_memory(self) -> None:
         if self.engine.device != "cpu":

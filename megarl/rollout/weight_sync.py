@@ -42,16 +42,18 @@ def check_parity(engine: SGLangEngine, expected: Sequence[Mapping[str, str]]) ->
 
 
 def sync_weights(engine: SGLangEngine, per_rank: Sequence[Mapping[str, torch.Tensor]],
-                 verify: bool = True, bucket_bytes: int = 512 << 20) -> dict[str, float]:
+                 verify: bool = True, bucket_bytes: int = 512 << 20, flush_cache: bool = True) -> dict[str, float]:
     """Copy ``per_rank[r]`` (SGLang names -> rank r's tensors) into the engine in place, in
     buckets of about ``bucket_bytes`` (all ranks together; the engine decodes one bucket at a
-    time), then (by default) run the parity probe. Returns timings, bytes and bucket count."""
+    time), then (by default) run the parity probe. Returns timings, bytes and bucket count.
+    ``flush_cache=False`` leaves the prefix cache (stale KV) for the caller to flush before the
+    next generation (SGLang's flush also garbage-collects the scheduler on CPU: ~0.3 s)."""
     start = time.perf_counter()
     buckets = _buckets_by_name(per_rank, bucket_bytes)
     with engine.weight_update():
         for index, names in enumerate(buckets):
             engine.update_weights_direct([{n: tensors[n] for n in names if n in tensors} for tensors in per_rank],
-                                         flush_cache=index == len(buckets) - 1)
+                                         flush_cache=flush_cache and index == len(buckets) - 1)
     pushed = time.perf_counter()
     if verify:
         check_parity(engine, shard_checksums(per_rank))
