@@ -154,24 +154,25 @@ strip_hosts_block
 say "/etc/hosts: $(for n in "${NODES[@]}"; do printf '%s=%s ' "$n" "${NODE_IP[$n]}"; done)"
 
 # ---------------------------------------------------------------- daemons
+# (9>&-: the daemons must not inherit the lock's file descriptor, or they would hold the lock.)
 : > "$DIR/pids"
 record() { echo "$1 $2" >> "$DIR/pids"; say "started $1 (pid $2)"; }
 
 mkdir -p /run/munge  # munge's client library falls back to this dir's socket path in messages
 setsid setpriv --reuid=munge --regid=munge --init-groups munged --foreground --force --key-file="$DIR/munge/munge.key" \
   --socket="$DIR/munge/munge.socket" --pid-file="$DIR/munge/munged.pid" --seed-file="$DIR/munge/munged.seed" \
-  --log-file="$DIR/log/munged.log" </dev/null >>"$DIR/log/munged.out" 2>&1 &
+  --log-file="$DIR/log/munged.log" </dev/null >>"$DIR/log/munged.out" 2>&1 9>&- &
 record munged $!
 for _ in $(seq 50); do [ -S "$DIR/munge/munge.socket" ] && break; sleep 0.1; done
 [ -S "$DIR/munge/munge.socket" ] || die "munged did not create its socket; see $DIR/log/munged.log"
 
-setsid slurmctld -D -c -f "$SLURM_CONF" </dev/null >>"$DIR/log/slurmctld.out" 2>&1 &
+setsid slurmctld -D -c -f "$SLURM_CONF" </dev/null >>"$DIR/log/slurmctld.out" 2>&1 9>&- &
 record slurmctld $!
 
 for n in "${NODES[@]}"; do
   # Own UTS namespace -> own hostname for the node and every job step it starts.
   setsid unshare --uts sh -c "hostname $n && exec slurmd -D -N $n -f '$SLURM_CONF'" \
-    </dev/null >>"$DIR/log/slurmd-$n.out" 2>&1 &
+    </dev/null >>"$DIR/log/slurmd-$n.out" 2>&1 9>&- &
   record "slurmd-$n" $!
 done
 
