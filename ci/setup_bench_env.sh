@@ -7,24 +7,12 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${MEGARL_BENCH_VENV:-$ROOT/.venv-bench}
-PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 STAMP=$VENV/.megarl-bench-installed
 WANT=$(sha256sum < "$ROOT/requirements/bench.txt" | cut -d' ' -f1)
-
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
-  exit 0
-fi
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
-  echo "megarl bench setup: Python >= 3.11 is required, $PYTHON is $("$PYTHON" --version 2>&1); set PYTHON=..." >&2; exit 2; }
-
-step() { echo "megarl bench setup [$(date +%H:%M:%S)]: $*"; }
-start=$(date +%s)
-step "virtual environment at $VENV"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-pip_install() {  # pip, minus the noise of this machine's local-index settings; pip's status is kept
-  "${PIP[@]}" "$@" 2>&1 | { grep -vE "is ignored: it is neither a file nor a directory" || true; }
-}
+LABEL="megarl bench setup"
+source "$ROOT/ci/venv_lib.sh"
+venv_is_current && exit 0
+venv_create
 # torch first and pinned (bench.txt pins it too): an unpinned torch would pull a multi-GB CUDA build.
 step "torch 2.13.0 (CPU wheel)"
 pip_install torch==2.13.0
@@ -36,5 +24,4 @@ assert torch.__version__.startswith("2.13.0") and not torch.cuda.is_available() 
     f"bench env: expected the torch 2.13.0 CPU wheel, found {torch.__version__} (CUDA {torch.version.cuda})")
 print(f"megarl bench setup: torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
 PY
-echo "$WANT" > "$STAMP"
-step "done in $(( $(date +%s) - start )) s"
+venv_done

@@ -5,24 +5,12 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${MEGARL_VENV:-$ROOT/.venv}
-PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 STAMP=$VENV/.megarl-installed
 WANT=$(cat "$ROOT"/requirements/*.txt "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)
-
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
-  exit 0
-fi
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
-  echo "megarl setup: Python >= 3.11 is required, $PYTHON is $("$PYTHON" --version 2>&1); set PYTHON=..." >&2; exit 2; }
-
-step() { echo "megarl setup [$(date +%H:%M:%S)]: $*"; }
-start=$(date +%s)
-step "virtual environment at $VENV"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-pip_install() {  # pip, minus the noise of this machine's local-index settings; pip's status is kept
-  "${PIP[@]}" "$@" 2>&1 | { grep -vE "is ignored: it is neither a file nor a directory|^sglang [0-9.]+ requires|dependency resolver does not currently" || true; }
-}
+LABEL="megarl setup"
+source "$ROOT/ci/venv_lib.sh"
+venv_is_current && exit 0
+venv_create
 # torch first and pinned: an unpinned torch anywhere later would pull a multi-GB CUDA build.
 step "torch 2.13.0 (CPU wheel)"
 pip_install torch==2.13.0
@@ -36,5 +24,4 @@ pip_install -r "$ROOT/requirements/sglang-deps.txt"
 step "test tools and megarl itself (editable)"
 pip_install -r "$ROOT/requirements/dev.txt"
 pip_install --no-deps -e "$ROOT"
-echo "$WANT" > "$STAMP"
-step "done in $(( $(date +%s) - start )) s"
+venv_done
