@@ -138,12 +138,14 @@ class Trainer:
         cfg = self.cfg
         world = cfg.cluster.world_size
         gpu = cfg.cluster.device == "gpu"
+        cpus = len(os.sched_getaffinity(0))  # what this process may use (Slurm/cgroup/taskset), not the host's count
+        on_cluster = bool(os.environ.get("RAY_ADDRESS"))
         if not ray.is_initialized():
-            if os.environ.get("RAY_ADDRESS"):
+            if on_cluster:
                 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
             else:
                 # "local": a Ray of our own even when another one runs on this host (Ray would join it)
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world), num_gpus=world if gpu else 0,
+                ray.init(address="local", num_cpus=max(cpus, world), num_gpus=world if gpu else 0,
                          include_dashboard=False, log_to_driver=False, logging_level="WARNING")
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -156,7 +158,8 @@ class Trainer:
             return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, index)}
 
         address, port = ray.get(ray.remote(num_cpus=0)(_address).options(**on(0)).remote())
-        threads = None if gpu else max(1, (os.cpu_count() or 1) // world)
+        # CPU ranks split their node's CPUs (nodes of a Ray cluster assumed alike this one)
+        threads = None if gpu else max(1, cpus // (cfg.cluster.ranks_per_node if on_cluster else world))
         worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(MegatronWorker)
         self.workers = [worker_cls.options(**on(r)).remote(r, world, address, port, threads) for r in range(world)]
         self._setup_models()
