@@ -20,9 +20,10 @@
 # Add as your cluster needs:  #SBATCH --gpus-per-node=8   #SBATCH --partition=...   #SBATCH --account=...
 #
 # --signal=B:USR1@300: Slurm sends USR1 to this batch shell (B:) 300 s before the time limit. The
-#   script forwards SIGTERM to the driver (`megarl train` then saves a checkpoint and exits), waits
-#   for it, tears Ray down and runs `scontrol requeue`; the requeued job resumes from the newest
-#   checkpoint (trainer.resume: auto). Allow enough seconds to finish a step and save.
+#   script forwards SIGTERM to the driver (`megarl train` then saves a checkpoint and exits with
+#   143), waits for it, tears Ray down and, unless the driver exited 0 (the run finished anyway),
+#   runs `scontrol requeue`; the requeued job resumes from the newest checkpoint
+#   (trainer.resume: auto). Allow enough seconds to finish a step and save.
 # --requeue: the job may be requeued (Slurm itself also requeues it after a node failure).
 #   Slurm's MaxBatchRequeue (default 5) bounds how often.
 # --open-mode=append: a requeued run appends to the same log instead of truncating it.
@@ -46,6 +47,7 @@
 #   MEGARL_PREFLIGHT_PORT=29555  its rendezvous port on the head node
 #   MEGARL_GPUS_PER_NODE=N     GPUs each node must see (default: from --gpus-per-node, else unchecked)
 #   MEGARL_DRIVER_GRACE=600    seconds the driver gets to checkpoint after SIGTERM before SIGKILL
+#   MEGARL_MAX_REQUEUES=20     the script does not requeue a job already restarted this often
 #   RAY_AUTH_MODE=token        Ray token authentication with a fresh per-job RAY_AUTH_TOKEN
 #                              (set RAY_AUTH_TOKEN to choose it; RAY_AUTH_MODE=disabled: none)
 #   MEGARL_RAY_STOP=0          1: also run `ray stop --force` on every node at the end. Off by default:
@@ -300,15 +302,32 @@ log "all $N Ray nodes joined: RAY_ADDRESS=$RAY_ADDRESS"
 log "driver on $HEAD: $*"
 srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" --job-name=megarl-driver --kill-on-bad-exit=1 "${DRIVER_TASK[@]}" "$@" &
 DRIVER_PID=$!
+# Wait for the driver, and meanwhile for any Ray node's step to end: a node lost mid-run is named,
+# and the driver is asked to checkpoint and stop instead of waiting on a dead node.
+watch=("$DRIVER_PID" "${RAY_SRUN[@]}")
+LOST=()
 while :; do
-  wait "$DRIVER_PID"; rc=$?
-  alive "$DRIVER_PID" || break  # a trap interrupted the wait: keep waiting for the driver
+  done_pid=""
+  wait -n -p done_pid "${watch[@]}"; status=$?
+  if [ -z "${done_pid:-}" ]; then  # a trap interrupted the wait (bash then unsets done_pid)
+    alive "$DRIVER_PID" && continue
+    wait "$DRIVER_PID" 2>/dev/null; rc=$?
+    break
+  fi
+  if [ "$done_pid" = "$DRIVER_PID" ]; then rc=$status; break; fi
+  for node in "${!RAY_SRUN[@]}"; do [ "${RAY_SRUN[$node]}" = "$done_pid" ] && LOST+=("$node"); done
+  err "Ray on node ${LOST[*]} ended while the driver ran (status $status); stopping the driver"
+  watch=("$DRIVER_PID")
+  signal_driver
 done
-if [ "$rc" -gt 128 ]; then wait "$DRIVER_PID" 2>/dev/null; again=$?; [ "$again" != 127 ] && rc=$again; fi
 DRIVER_PID=""
 log "driver exited with status $rc"
-if [ "$PREEMPTED_DURING_RUN" = 1 ]; then
-  requeue_and_exit "preempted while the driver ran (it saved a checkpoint; the next run resumes)"
+# Status 0 means the run finished (`megarl train` exits 143 when SIGTERM stopped it early).
+if [ "$PREEMPTED_DURING_RUN" = 1 ] && [ "$rc" -ne 0 ]; then
+  requeue_and_exit "preempted while the driver ran (status $rc; it saved a checkpoint; the next run resumes)"
+fi
+if [ ${#LOST[@]} -gt 0 ]; then
+  fail "lost the Ray node(s) ${LOST[*]} during the run; the driver's last checkpoint is where a new job resumes"
 fi
 [ "$TERMINATED" = 1 ] && [ $rc -eq 0 ] && rc=143
 exit "$rc"

@@ -7,7 +7,9 @@ a. a 2-node job trains: COMPLETED, the steps ran, the Megatron workers ran on bo
 b. a node whose `ray start` fails, or never joins: the job fails within a bounded time and names
    the node;
 c. preemption: the pre-timeout signal makes the job checkpoint, requeue itself, resume from the
-   checkpoint and finish every step exactly once.
+   checkpoint and finish every step exactly once;
+d. a Ray node lost while the driver runs (its raylet killed): named, the driver asked to stop,
+   the job fails and leaves nothing running.
 
 Jobs are watched by polling `scontrol show job` (sbatch --wait polls slowly). Processes are
 attributed to a job by SLURM_JOB_ID in their environment (inherited by everything a job starts,
@@ -176,7 +178,8 @@ def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_clu
 def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, prompts, tmp_path):
     env = _env(slurm_cluster)
     out, log = tmp_path / "run", tmp_path / "job.out"
-    job = _submit(env, log, _train_args(prompts, out, **{"trainer.total_steps": 3, "trainer.save_every": 1}))
+    steps = 12  # each step takes < 1 s here: the signal must come while the run still has steps to do
+    job = _submit(env, log, _train_args(prompts, out, **{"trainer.total_steps": steps, "trainer.save_every": 1}))
     first = out / "checkpoints" / "step_000001" / "trainer_state.json"
     _wait(job, env, timeout_s=420, until=lambda i: first.is_file())
     assert _job(job, env).get("JobState") == "RUNNING", _log(log)[-4000:]
@@ -187,7 +190,36 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, prompts, tmp
     assert info["JobState"] == "COMPLETED", f"job {job}: {info.get('JobState')}\n{text[-6000:]}"
     assert int(info["Restarts"]) >= 1, info
     assert "requeueing job" in text and "SIGTERM received" in text, text[-6000:]
-    assert re.search(r"megarl: resumed from \S+step_00000[12] \(step [12]\)", text), text[-6000:]
-    steps = [m["step"] for m in _metrics(out)]
-    assert steps == [1, 2, 3], steps  # numbering continues across the requeue; no step ran twice
+    resumed = re.search(r"megarl: resumed from \S+step_(\d+) \(step (\d+)\)", text)
+    assert resumed and 1 <= int(resumed.group(2)) < steps, text[-6000:]
+    assert f"megarl train: stopped at step {resumed.group(2)}/{steps}" in text, text[-6000:]
+    done = [m["step"] for m in _metrics(out)]
+    assert done == list(range(1, steps + 1)), done  # numbering continues across the requeue; no step ran twice
     assert _no_leftovers(job) == [], "processes of the finished job still running"
+
+
+def test_a_ray_node_lost_mid_run_is_named_and_the_driver_stopped(slurm_cluster, tmp_path):
+    # The driver stands in for the trainer: it runs until SIGTERM, then "saves" and exits.
+    driver = tmp_path / "driver.py"
+    driver.write_text("import signal, sys, time\n"
+                      "signal.signal(signal.SIGTERM, lambda *_: (print('driver: SIGTERM, saving', flush=True), "
+                      "sys.exit(0)))\n"
+                      "print('driver: running', flush=True)\n"
+                      "time.sleep(300)\n")
+    env = _env(slurm_cluster, MEGARL_PREFLIGHT="0")
+    log = tmp_path / "job.out"
+    job = _submit(env, log, ["python", str(driver)])
+    _wait(job, env, timeout_s=240, until=lambda i: "driver: running" in _log(log))
+    # The fault: n2's raylet dies (a crash, the OOM killer).
+    raylets = [pid for pid, cmdline, node in _job_processes(job) if node == "n2" and "/raylet " in f"{cmdline} "]
+    assert raylets, _job_processes(job)
+    for pid in raylets:
+        os.kill(pid, 9)
+    started = time.monotonic()
+    info = _wait(job, env, timeout_s=120)
+    text = _log(log)
+    assert info["JobState"] == "FAILED", f"job {job}: {info.get('JobState')}\n{text[-4000:]}"
+    assert time.monotonic() - started < 60, text[-4000:]
+    assert "ERROR: Ray on node n2 ended while the driver ran" in text, text[-4000:]
+    assert "driver: SIGTERM, saving" in text, text[-4000:]
+    assert _no_leftovers(job) == [], "processes of the failed job still running"
