@@ -49,7 +49,9 @@ def prompts(tmp_path_factory):
 
 
 def _env(cluster: dict, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not inside another job
+    # Not inside another job; and no inherited MEGARL_VENV (ci/run_tests.sh users may set it): the
+    # script would put its bin/ before the PATH a test sets up (e.g. a faulty `ray` on n2).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "MEGARL_VENV"}
     env.update(cluster)
     env.update(PATH=f"{VENV_BIN}:{env['PATH']}", MEGARL_RAY_NUM_CPUS="1", MEGARL_GPUS_PER_NODE="0",
                RAY_PORT=str(free_port()), MEGARL_PREFLIGHT_PORT=str(free_port()), MEGARL_RAY_JOIN_TIMEOUT="120",
