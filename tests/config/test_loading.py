@@ -20,6 +20,7 @@ from megarl.config import (
     to_dict,
     to_yaml,
 )
+from tests.config.conftest import SMALL_BATCH
 
 QUICKSTART = CONFIGS_DIR / "quickstart_grpo.yaml"
 
@@ -62,7 +63,7 @@ def test_real_quickstart_composes_its_presets():
     tree = compose(QUICKSTART)
     config = from_dict(tree)
     assert config.algorithm.advantage == "grpo" and config.actor.kl_loss.enabled  # algorithm/grpo
-    assert config.rollout.n == 4  # the file overrides algorithm/grpo's n=8
+    assert config.rollout.max_new_tokens == 3 and config.actor.micro_batch_size == 8  # the file's own
     assert config.model.path == "tiny-qwen2"  # model/tiny-qwen2
     assert config.cluster.cpu_ranks_per_node == 2  # cluster/local-cpu
     assert config.actor.layout.tp == 1 and config.rollout.tp == 1  # layout/tp1
@@ -152,7 +153,7 @@ def test_defaults_cycle_and_bad_files(tmp_path):
 
 
 def test_resolved_yaml_round_trips(data_file, tmp_path):
-    config = load_config(QUICKSTART, [f"data.train_files=[{data_file}]", "actor.optim.lr=2e-6",
+    config = load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "actor.optim.lr=2e-6",
                                       "critic.layout={tp: 1}", "reward.functions={synthetic_arith: arithmetic}"])
     text = to_yaml(config)
     assert yaml.safe_load(text) == to_dict(config)
@@ -163,7 +164,7 @@ def test_resolved_yaml_round_trips(data_file, tmp_path):
 
 
 def test_save_resolved_writes_atomically(data_file, tmp_path, monkeypatch):
-    config = load_config(QUICKSTART, [f"data.train_files=[{data_file}]"])
+    config = load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH])
     run_dir = tmp_path / "runs" / "r1"
     target = save_resolved(config, run_dir)
     assert target == run_dir / RESOLVED_NAME and load_config(target) == config

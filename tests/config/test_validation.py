@@ -8,6 +8,7 @@ import json
 import pytest
 
 from megarl.config import CONFIGS_DIR, ConfigError, DataConfig, RunConfig, load_config, validate_config
+from tests.config.conftest import SMALL_BATCH
 
 QUICKSTART = CONFIGS_DIR / "quickstart_grpo.yaml"
 
@@ -19,7 +20,7 @@ def _one(lines: list[str]) -> str:
 
 
 def test_quickstart_is_valid(data_file):
-    config = load_config(QUICKSTART, [f"data.train_files=[{data_file}]"])
+    config = load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH])
     assert config.world_size_for("actor") == 2 and config.layout_for("ref") == config.actor.layout
     assert issubclass(ConfigError, ValueError)
 
@@ -104,7 +105,7 @@ def test_unknown_registry_names_list_the_valid_ones(problems, override, start, v
 def test_user_reward_function_is_imported_at_check_time(problems, data_file):
     line = _one(problems("reward.default=json:no_such_function"))
     assert line.startswith('reward.default="json:no_such_function": ') and "has no attribute 'no_such_function'" in line
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", "reward.default=json:loads"])  # importable: fine
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "reward.default=json:loads"])  # importable: fine
 
 
 def test_imports_register_before_names_are_checked(problems):
@@ -123,8 +124,8 @@ def test_megatron_tp_must_divide_the_heads_but_sglang_may_replicate_kv(problems,
     line = _one(problems("actor.layout.tp=2"))
     assert line.startswith("actor.layout.tp=2 must divide num_attention_heads=4 and num_key_value_heads=1")
     # ... while SGLang replicates the KV head, so rollout tp=2 (or 4 on 4 ranks) is fine.
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", "rollout.tp=2"])
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", "rollout.tp=4", "cluster.cpu_ranks_per_node=4"])
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "rollout.tp=2"])
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "rollout.tp=4", "cluster.cpu_ranks_per_node=4"])
 
 
 def test_rollout_tp_against_heads_and_its_pool(problems):
@@ -148,7 +149,7 @@ def test_vpp_needs_a_multiple_of_pp_micro_batches(problems, data_file):
     line = _one(problems(*base, "actor.micro_batch_size=32"))
     assert line.startswith("actor.layout.vpp=2: megatron's interleaved schedule needs the number of micro-batches")
     assert "but it is 1" in line and "set actor.micro_batch_size to one of [1, 2, 4, 8, 16]" in line
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *base, "actor.micro_batch_size=16"])  # 2 micro-batches
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, *base, "actor.micro_batch_size=16"])  # 2 micro-batches
     # The same rule for the forward-only reference, with its own micro-batch size.
     line = _one(problems(*base, "actor.micro_batch_size=16", "ref.micro_batch_size=32"))
     assert line.startswith("actor.layout.vpp=2:") and "ref.micro_batch_size 32" in line
@@ -170,7 +171,7 @@ def test_batch_must_split_over_data_parallel_ranks_and_micro_batches(problems):
 def test_gae_needs_a_critic(problems, data_file):
     line = _one(problems("algorithm.advantage=gae", "rollout.n=1", "actor.kl_loss.enabled=false"))
     assert line.startswith("critic.enabled=false: algorithm.advantage='gae' needs a value model; set critic.enabled=true")
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", "algorithm.advantage=gae", "critic.enabled=true"])
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "algorithm.advantage=gae", "critic.enabled=true"])
 
 
 def test_kl_terms_need_the_reference(problems):
@@ -199,7 +200,7 @@ def test_pools(problems, data_file):
     assert line.startswith("cluster.pools={") and "hold 4 ranks but the cluster has 2" in line
     split = ["cluster.cpu_ranks_per_node=4", "cluster.pools={train: 2, rollout: 2}", "actor.pool=train",
              "rollout.placement=separate", "rollout.pool=rollout"]
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *split])
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, *split])
 
 
 def test_model_path_preset_or_directory(problems, tmp_path, data_file):
@@ -214,7 +215,7 @@ def test_model_path_preset_or_directory(problems, tmp_path, data_file):
     from model_specs.presets import hf_config_dict
 
     (model_dir / "config.json").write_text(json.dumps(hf_config_dict("tiny-llama", num_key_value_heads=4)))
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", f"model.path={model_dir}", "actor.layout.tp=4",
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, f"model.path={model_dir}", "actor.layout.tp=4",
                              "cluster.cpu_ranks_per_node=4"])
     (model_dir / "config.json").write_text(json.dumps(dict(hf_config_dict("tiny-llama"), model_type="gpt2")))
     line = _one(problems(f"model.path={model_dir}"))

@@ -89,7 +89,8 @@ def test_two_node_bench_job(slurm_env, tmp_path):
               "--config", "configs/quickstart_grpo.yaml", "--out-dir", str(out_dir), "--warmup", "1", "--steps", "1",
               "--size-mb", "4", "--iters", "3", "--",
               f"data.train_files=[{data}]", "cluster.cpu_ranks_per_node=1", "data.batch_size=4", "rollout.n=2",
-              "rollout.max_new_tokens=2", "trainer.loggers=[console]"]
+              "actor.micro_batch_size=4", "ref.micro_batch_size=4", "rollout.max_new_tokens=2",
+              "trainer.loggers=[console]"]
     job = subprocess.run(submit, env=env, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     state = _wait(job.split(";")[0], env, timeout_s=300)
     text = log.read_text() if log.exists() else "(no job log)"
