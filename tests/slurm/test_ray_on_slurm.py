@@ -93,9 +93,9 @@ def _job_processes(job: str) -> list[tuple[int, str, str]]:
     return found
 
 
-def _wait(job: str, env: dict, timeout_s: float, until=None, every=None) -> dict[str, str]:
-    """Poll until the job reaches a final state (or ``until(info)`` is true); ``every()`` runs at
-    each poll. On timeout the job is cancelled and the test fails."""
+def _wait(job: str, env: dict, timeout_s: float, until=None, every=None, poll_s: float = 1.0) -> dict[str, str]:
+    """Poll every ``poll_s`` until the job reaches a final state (or ``until(info)`` is true);
+    ``every()`` runs at each poll. On timeout the job is cancelled and the test fails."""
     deadline = time.monotonic() + timeout_s
     while True:
         info = _job(job, env)
@@ -106,7 +106,7 @@ def _wait(job: str, env: dict, timeout_s: float, until=None, every=None) -> dict
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job], env=env)
             pytest.fail(f"job {job} still {info.get('JobState')} after {timeout_s:.0f} s (cancelled)")
-        time.sleep(1)
+        time.sleep(poll_s)
 
 
 def _no_leftovers(job: str, timeout_s: float = 30) -> list[tuple[int, str, str]]:
@@ -180,10 +180,12 @@ def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_clu
 def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, prompts, tmp_path):
     env = _env(slurm_cluster)
     out, log = tmp_path / "run", tmp_path / "job.out"
-    steps = 12  # each step takes < 1 s here: the signal must come while the run still has steps to do
+    # Steps take 0.2-0.5 s here: the signal must come while the run still has steps to do, so the
+    # run is long and the first checkpoint is watched closely.
+    steps = 40
     job = _submit(env, log, _train_args(prompts, out, **{"trainer.total_steps": steps, "trainer.save_every": 1}))
     first = out / "checkpoints" / "step_000001" / "trainer_state.json"
-    _wait(job, env, timeout_s=420, until=lambda i: first.is_file())
+    _wait(job, env, timeout_s=420, until=lambda i: first.is_file(), poll_s=0.1)
     assert _job(job, env).get("JobState") == "RUNNING", _log(log)[-4000:]
     # What Slurm does at --signal=B:USR1@<secs> before the time limit: USR1 to the batch shell.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True)
