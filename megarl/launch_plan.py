@@ -14,8 +14,9 @@ Phases of a pool (what is on a GPU at the same time):
   the whole run (no offloading).
 * generate: resident + SGLang's static reservation (colocated rollout).
 * <role> update / forward: resident + that role's activations (and logits) + SGLang's
-  reservation: the trainer does not release the engines' memory during training (the engine
-  worker has release/resume; the trainer does not call them yet), so it is counted.
+  reservation. The trainer asks colocated engines to release their memory while Megatron
+  trains (``Trainer.engines_hold_memory``), but that is not yet tested on GPUs, so the plan
+  still counts it (conservative).
 * plus ``parallel.memory.RUNTIME_RESERVE_BYTES`` (CUDA context, NCCL, fragmentation) everywhere.
 
 SGLang's reservation is ``mem_fraction_static`` of the memory free when the engines start,
@@ -143,7 +144,7 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
     warnings: list[str] = []
 
     trained = [("actor", True)]
-    if cfg.ref.enabled or cfg.actor.kl_loss.enabled or cfg.algorithm.kl_penalty.enabled:
+    if cfg.needs_reference:
         trained.append(("ref", False))
     if cfg.critic.enabled:
         trained.append(("critic", True))

@@ -168,15 +168,15 @@ class Trainer:
         engine_kwargs: dict[str, Any] = {"random_seed": cfg.trainer.seed}
         if gpu:
             engine_kwargs["mem_fraction_static"] = r.mem_fraction_static
-        num_engines = max(1, world // r.tp) if r.placement == "colocated" else cfg.cluster.pool_sizes()[r.pool] // r.tp
+        num_engines = max(1, world // r.tp)  # colocated: one engine per rollout.tp ranks
         self.engines = [engine_cls.options(**on(e * r.tp % world)).remote(self.model_dir, r.tp, cfg.model.dtype,
                                                                           engine_kwargs)
                         for e in range(num_engines)]
         from parallel.hf_io import HFCheckpoint
         from parallel.plan import plan_megatron_to_sglang
 
-        hf_config = HFCheckpoint(self.model_dir).config
-        self.plan = plan_megatron_to_sglang(hf_config, cfg.actor.layout.to_megatron(), world, r.tp,
+        self.hf_config = HFCheckpoint(self.model_dir).config
+        self.plan = plan_megatron_to_sglang(self.hf_config, cfg.actor.layout.to_megatron(), world, r.tp,
                                             element_size=torch.tensor([], dtype=_dtype(cfg.model.dtype)).element_size())
         self.plan.check()
         self._call_engines("generate", [[1]], [{"max_new_tokens": 1}], None)  # the engines are up
@@ -201,7 +201,7 @@ class Trainer:
         specs = [ModelSpec("actor", self.model_dir, layout,
                            MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch, packed),
                            a.optim, cfg.trainer.total_steps * steps_per_rl_step, actor_loss, cfg.model.dtype)]
-        if self.needs_reference:
+        if cfg.needs_reference:
             specs.append(ModelSpec("ref", self.model_dir, layout, MicroBatching(cfg.ref.micro_batch_size, packed=packed),
                                    dtype=cfg.model.dtype))
         if cfg.critic.enabled:
@@ -213,10 +213,6 @@ class Trainer:
                                                 max_len=cfg.rollout.max_new_tokens), cfg.model.dtype))
         for spec in specs:
             self.worker_info = self._call_workers("setup", spec, cfg.trainer.seed)
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.cfg.ref.enabled or self.cfg.actor.kl_loss.enabled or self.cfg.algorithm.kl_penalty.enabled
 
     def _minibatches_per_step(self, mini_batch_size: int | None) -> int:
         return max(1, self.cfg.data.batch_size // (mini_batch_size or self.cfg.data.batch_size))
@@ -523,7 +519,7 @@ def rl_step(t: Trainer) -> dict[str, float]:
     t.engines_hold_memory(False)
     with timed("reward"):
         scores, reward_stats = t.score(batch)
-    if t.needs_reference:
+    if t.cfg.needs_reference:
         with timed("reference"):
             batch["ref_logp"] = t._forward("ref", batch)["logp"]
     if _needs_old_logp(t):
@@ -556,9 +552,7 @@ def _finish_metrics(t: Trainer, batch: dict, scores, reward_stats, metrics: dict
 
 def _flops_per_token(t: Trainer) -> float:
     """Forward FLOPs per token (2 x parameters), from the model config."""
-    from parallel.hf_io import HFCheckpoint
-
-    hf = HFCheckpoint(t.model_dir).config
+    hf = t.hf_config
     h, f, layers, v = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["vocab_size"]
     kv = hf.get("num_key_value_heads", hf["num_attention_heads"]) * hf.get("head_dim", h // hf["num_attention_heads"])
     per_layer = h * h * 2 + 2 * h * kv + 3 * h * f

@@ -312,6 +312,11 @@ class RunConfig:
         own = getattr(self, role).layout
         return self.actor.layout if own is None else own
 
+    @property
+    def needs_reference(self) -> bool:
+        """A reference model runs: asked for, or needed by a KL loss term or KL reward penalty."""
+        return self.ref.enabled or self.actor.kl_loss.enabled or self.algorithm.kl_penalty.enabled
+
     def world_size_for(self, role: str) -> int:
         """Ranks in the role's pool (KeyError if the pool is not declared)."""
         return self.cluster.pool_sizes()[self.pool_for(role)]

@@ -66,24 +66,32 @@ def make_micro_batch(batch: dict, rows: list[int], length: int, num_rows: int) -
     """Rows ``rows`` of ``batch`` as one micro-batch of ``num_rows`` rows and ``length`` tokens
     (filler rows and positions are padding with no response), plus the index that picks each
     response token's predicting position out of per-token outputs."""
-    width = response_mask(batch).shape[1]
     tokens = torch.zeros(num_rows, length, dtype=torch.long)
+    for slot, row in enumerate(rows):
+        total = int(sequence_lengths(batch)[row])
+        tokens[slot, :total] = batch["input_ids"][row, :total]
+    targets = torch.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    return {"tokens": tokens, "targets": targets, **_response_rows(batch, rows, num_rows, [0] * len(rows)),
+            "rows": torch.tensor(list(rows) + [-1] * (num_rows - len(rows)))}
+
+
+def _response_rows(batch: dict, rows: list[int], num_rows: int, starts: list[int]) -> dict:
+    """The response-shaped fields of a micro-batch of ``num_rows`` rows: ``gather_index`` (where
+    row ``rows[i]``'s sequence starts at token position ``starts[i]``), ``response_mask`` and the
+    batch's RESPONSE_FIELDS; filler rows are zeros."""
+    width = response_mask(batch).shape[1]
     gather = torch.zeros(num_rows, width, dtype=torch.long)
     mask = torch.zeros(num_rows, width)
     fields = {k: torch.zeros(num_rows, width) for k in RESPONSE_FIELDS if k in batch}
-    for slot, row in enumerate(rows):
-        total = int(sequence_lengths(batch)[row])
+    for slot, (row, start) in enumerate(zip(rows, starts)):
         prompt, response = int(batch["prompt_lengths"][row]), int(batch["response_lengths"][row])
-        tokens[slot, :total] = batch["input_ids"][row, :total]
         # Response token j sits at position prompt + j; the logits that predict it at prompt + j - 1.
-        gather[slot, :response] = torch.arange(prompt - 1, prompt - 1 + response)
+        gather[slot, :response] = torch.arange(start + prompt - 1, start + prompt - 1 + response)
         mask[slot, :response] = 1.0
         for key, value in fields.items():
             value[slot] = batch[key][row, :width].float()
-    targets = torch.zeros_like(tokens)
-    targets[:, :-1] = tokens[:, 1:]
-    return {"tokens": tokens, "targets": targets, "gather_index": gather, "response_mask": mask,
-            "rows": torch.tensor(list(rows) + [-1] * (num_rows - len(rows))), **fields}
+    return {"gather_index": gather, "response_mask": mask, **fields}
 
 
 def padded_length(length: int, multiple: int) -> int:
@@ -101,7 +109,6 @@ def make_packed_micro_batch(batch: dict, rows: list[int], length: int, slot_mult
     fields as ``make_micro_batch``: ``gather_index`` holds row positions, ``packed`` the row."""
     from parallel.packing import pack_sequences
 
-    width = response_mask(batch).shape[1]
     sequences = [batch["input_ids"][r, : int(sequence_lengths(batch)[r])] for r in rows]
     filler = length - packed_row_length(batch, rows, slot_multiple)
     if filler < 0 or filler % slot_multiple:
@@ -109,16 +116,7 @@ def make_packed_micro_batch(batch: dict, rows: list[int], length: int, slot_mult
     if filler:
         sequences.append(torch.zeros(filler, dtype=torch.long))  # no response: never gathered
     packed = pack_sequences(sequences, pad_to_multiple=slot_multiple)
-    num_rows = max(len(rows), 1)
-    gather = torch.zeros(num_rows, width, dtype=torch.long)
-    mask = torch.zeros(num_rows, width)
-    fields = {k: torch.zeros(num_rows, width) for k in RESPONSE_FIELDS if k in batch}
-    for slot, (row, start) in enumerate(zip(rows, packed.cu_seqlens_padded.tolist())):
-        prompt, response = int(batch["prompt_lengths"][row]), int(batch["response_lengths"][row])
-        gather[slot, :response] = torch.arange(start + prompt - 1, start + prompt - 1 + response)
-        mask[slot, :response] = 1.0
-        for key, value in fields.items():
-            value[slot] = batch[key][row, :width].float()
     targets, _ = packed.next_token_targets()
-    return {"tokens": packed.tokens, "targets": targets, "gather_index": gather, "response_mask": mask,
-            "rows": torch.tensor(list(rows) or [-1]), "packed": packed, **fields}
+    starts = packed.cu_seqlens_padded.tolist()[: len(rows)]
+    return {"tokens": packed.tokens, "targets": targets, **_response_rows(batch, rows, max(len(rows), 1), starts),
+            "rows": torch.tensor(list(rows) or [-1]), "packed": packed}

@@ -190,10 +190,13 @@ class MegatronWorker:
         if model.spec.batching.packed:  # one row per micro-batch; sequences in slots CP can split
             slot = 2 * layout.cp if layout.cp > 1 else 1
             row_multiple = layout.sequence_length_multiple()
-            longest_row = max(packed_row_length(batch, rows, slot) for share in plan for rows in share)
-            return [make_packed_micro_batch(
-                batch, rows, padded_length(longest_row if pipelined else packed_row_length(batch, rows, slot),
-                                           row_multiple), slot) for rows in mine]
+            if pipelined:  # one shape for every micro-batch of the pipeline
+                longest = max(packed_row_length(batch, rows, slot) for share in plan for rows in share)
+                row_lengths = [longest] * len(mine)
+            else:
+                row_lengths = [packed_row_length(batch, rows, slot) for rows in mine]
+            return [make_packed_micro_batch(batch, rows, padded_length(length, row_multiple), slot)
+                    for rows, length in zip(mine, row_lengths)]
         micro = []
         for rows in mine:
             longest = longest_all if pipelined else max([lengths[r] for r in rows] or [1])
