@@ -70,19 +70,35 @@ def config_fingerprint(cfg: RunConfig) -> dict:
             "critic": cfg.critic.enabled, "ref": cfg.ref.enabled}
 
 
+def weight_sync_rounds(cfg: RunConfig, hf_config: dict) -> list[tuple[dict[int, int] | None, Any]]:
+    """The checked resharding plans of one weight sync, in order: (device -> SGLang rank assembled
+    there, plan) per round for engines on their own pool, or one (None, plan) when colocated (engine
+    e's rank r assembled on device e * rollout.tp + r)."""
+    from parallel.plan import plan_megatron_to_sglang, separate_pool_rounds
+
+    world, tp = cfg.world_size_for("actor"), cfg.rollout.tp
+    rounds = separate_pool_rounds(world, tp) if cfg.rollout.placement == "separate" else [None]
+    element_size = torch.tensor([], dtype=_dtype(cfg.model.dtype)).element_size()
+    plans = [(ranks, plan_megatron_to_sglang(hf_config, cfg.actor.layout.to_megatron(), world, tp,
+                                             engine_ranks=ranks, element_size=element_size)) for ranks in rounds]
+    for _, plan in plans:
+        plan.check()
+    return plans
+
+
 # ----------------------------------------------------------------------------- the controller
 
 
 def not_yet_supported(cfg: RunConfig) -> list[str]:
-    """Valid settings the trainer does not implement yet, each with what to set instead. Today every
-    role runs on the actor's ranks: reference and critic with the actor's layout, SGLang colocated."""
+    """Valid settings the trainer does not implement yet, each with what to set instead. Today the
+    reference and critic run on the actor's ranks with its layout; SGLang engines run colocated or
+    on a pool of their own (one node per engine)."""
     problems = []
-    if cfg.rollout.placement == "separate":
-        problems.append(f"rollout.placement=separate (pool {cfg.rollout.pool!r}): engines on their own ranks are "
-                        "not implemented; set rollout.placement=colocated rollout.pool=null")
-    if cfg.cluster.pools and cfg.world_size_for("actor") != cfg.cluster.world_size:
-        problems.append(f"cluster.pools={cfg.cluster.pools}: the actor's pool {cfg.actor.pool!r} must hold every rank "
-                        f"({cfg.cluster.world_size}); set cluster.pools={{}} actor.pool=global")
+    r = cfg.rollout
+    if r.placement == "separate" and r.tp > cfg.cluster.ranks_per_node:
+        problems.append(f"rollout.tp={r.tp} on a separate pool: an engine spanning nodes "
+                        f"({cfg.cluster.ranks_per_node} ranks each) is not implemented; use rollout.tp <= "
+                        f"{cfg.cluster.ranks_per_node}")
     for role in ("ref", "critic"):
         section = getattr(cfg, role)
         if section.pool not in (None, cfg.actor.pool):
@@ -134,9 +150,10 @@ class Trainer:
 
         from megarl.rollout.engine_worker import RolloutWorker
         from megarl.workers.megatron_worker import MegatronWorker
+        from parallel.hf_io import HFCheckpoint
 
         cfg = self.cfg
-        world = cfg.cluster.world_size
+        world = cfg.world_size_for("actor")
         gpu = cfg.cluster.device == "gpu"
         cpus = len(os.sched_getaffinity(0))  # what this process may use (Slurm/cgroup/taskset), not the host's count
         on_cluster = bool(os.environ.get("RAY_ADDRESS"))
@@ -145,7 +162,8 @@ class Trainer:
                 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
             else:
                 # "local": a Ray of our own even when another one runs on this host (Ray would join it)
-                ray.init(address="local", num_cpus=max(cpus, world), num_gpus=world if gpu else 0,
+                ranks = cfg.cluster.world_size
+                ray.init(address="local", num_cpus=max(cpus, ranks), num_gpus=ranks if gpu else 0,
                          include_dashboard=False, log_to_driver=False, logging_level="WARNING")
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -159,29 +177,35 @@ class Trainer:
 
         address, port = ray.get(ray.remote(num_cpus=0)(_address).options(**on(0)).remote())
         # CPU ranks split their node's CPUs (nodes of a Ray cluster assumed alike this one)
-        threads = None if gpu else max(1, cpus // (cfg.cluster.ranks_per_node if on_cluster else world))
+        threads = None if gpu else max(1, cpus // (cfg.cluster.ranks_per_node if on_cluster else cfg.cluster.world_size))
         worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(MegatronWorker)
         self.workers = [worker_cls.options(**on(r)).remote(r, world, address, port, threads) for r in range(world)]
         self._setup_models()
-        engine_cls = ray.remote(num_cpus=0)(RolloutWorker)
         r = cfg.rollout
         engine_kwargs: dict[str, Any] = {"random_seed": cfg.trainer.seed}
         if gpu:
             engine_kwargs["mem_fraction_static"] = r.mem_fraction_static
-        num_engines = max(1, world // r.tp)  # colocated: one engine per rollout.tp ranks
-        self.engines = [engine_cls.options(**on(e * r.tp % world)).remote(self.model_dir, r.tp, cfg.model.dtype,
-                                                                          engine_kwargs)
-                        for e in range(num_engines)]
-        from parallel.hf_io import HFCheckpoint
-        from parallel.plan import plan_megatron_to_sglang
-
+        engine_args = (self.model_dir, r.tp, cfg.model.dtype, engine_kwargs)
+        if r.placement == "separate":
+            # One bundle per engine (all its ranks on one node); engine ranks get the resharded
+            # weights from the trainer's devices through Ray's object store.
+            num_engines = cfg.world_size_for("rollout") // r.tp
+            engine_bundle = {"GPU": r.tp, "CPU": 1} if gpu else {"CPU": r.tp}
+            self.rollout_placement = placement_group([dict(engine_bundle) for _ in range(num_engines)], strategy="PACK")
+            ray.get(self.rollout_placement.ready(), timeout=300)
+            engine_cls = ray.remote(num_cpus=1 if gpu else r.tp, num_gpus=r.tp if gpu else 0)(RolloutWorker)
+            self.engines = [engine_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.rollout_placement, e)).remote(*engine_args) for e in range(num_engines)]
+        else:
+            num_engines = max(1, world // r.tp)  # one engine per rollout.tp of the actor's ranks
+            engine_cls = ray.remote(num_cpus=0)(RolloutWorker)
+            self.engines = [engine_cls.options(**on(e * r.tp)).remote(*engine_args) for e in range(num_engines)]
         self.hf_config = HFCheckpoint(self.model_dir).config
-        self.plan = plan_megatron_to_sglang(self.hf_config, cfg.actor.layout.to_megatron(), world, r.tp,
-                                            element_size=torch.tensor([], dtype=_dtype(cfg.model.dtype)).element_size())
-        self.plan.check()
+        self.sync_rounds = weight_sync_rounds(cfg, self.hf_config)
         self._call_engines("generate", [[1]], [{"max_new_tokens": 1}], None)  # the engines are up
+        where = (f"on their own pool {r.pool!r}" if r.placement == "separate" else "colocated")
         self.log(f"megarl: {world} Megatron rank(s) (layout {cfg.actor.layout}), {num_engines} SGLang engine(s) "
-                 f"of TP={r.tp}, model {self.model_dir}")
+                 f"of TP={r.tp} {where}, model {self.model_dir}")
 
     def _setup_models(self) -> None:
         from megarl.workers.batch import MicroBatching
@@ -337,13 +361,21 @@ class Trainer:
         return {key: sum(values) / len(values) for key, values in seen.items()}
 
     def sync_weights(self) -> dict[str, float]:
-        """Reshard the actor's weights into every engine rank's parameters, in place, verified."""
+        """Reshard the actor's weights into every engine rank's parameters, in place, verified.
+
+        Colocated, engine e's rank r is assembled on device e * tp + r; on a separate pool each
+        SGLang rank's shards are assembled once on a trainer device and every engine reads them."""
         import ray
 
         tp = self.cfg.rollout.tp
-        shards = [w.rollout_shards.remote(self.plan) for w in self.workers]
-        results = ray.get([engine.update_weights.remote(*shards[e * tp:(e + 1) * tp])
-                           for e, engine in enumerate(self.engines)])
+        rounds = [(ranks, [w.rollout_shards.remote(plan) for w in self.workers]) for ranks, plan in self.sync_rounds]
+        if self.cfg.rollout.placement == "separate":
+            per_rank = {rank: shards[device] for ranks, shards in rounds for device, rank in ranks.items()}
+            arguments = [[per_rank[r] for r in range(tp)]] * len(self.engines)
+        else:
+            [(_, shards)] = rounds
+            arguments = [shards[e * tp:(e + 1) * tp] for e in range(len(self.engines))]
+        results = ray.get([engine.update_weights.remote(*args) for engine, args in zip(self.engines, arguments)])
         return {"sync/bytes": sum(r["bytes"] for r in results), "sync/buckets": results[0]["buckets"],
                 "sync/push_s": max(r["push_s"] for r in results), "sync/verify_s": max(r["verify_s"] for r in results)}
 

@@ -9,8 +9,9 @@ that every destination element is written exactly once with matching extents, an
 reports the bytes it sends over the network next to the theoretical minimum (bytes a
 destination needs that its co-located source rank does not hold).
 
-Devices: the trainer's global rank g runs on device g; SGLang rank r of engine e runs on device
-``e * rollout_tp + r`` (colocated hybrid engine). Separate pools offset the rollout devices.
+Devices: the trainer's global rank g runs on device g. Colocated (hybrid engine), SGLang rank r
+of engine e runs on device ``e * rollout_tp + r``. Engines on a pool of their own get their shards
+assembled on trainer devices (``separate_pool_rounds``) and shipped from there.
 """
 
 from __future__ import annotations
@@ -115,13 +116,28 @@ def megatron_device_positions(layout: MegatronLayout, world_size: int) -> dict[i
     return positions
 
 
+def colocated_engine_ranks(world_size: int, rollout_tp: int) -> dict[int, int]:
+    """Device -> SGLang rank for the hybrid engine: one engine per ``rollout_tp`` trainer devices."""
+    return {e * rollout_tp + r: r for e in range(max(1, world_size // rollout_tp)) for r in range(rollout_tp)}
+
+
+def separate_pool_rounds(world_size: int, rollout_tp: int) -> list[dict[int, int]]:
+    """Device -> SGLang rank assembled there, per round, for engines outside the trainer's pool.
+
+    Every engine's rank r needs the same tensors, so each of the ``rollout_tp`` distinct shard
+    sets is assembled once, on trainer device ``r % world_size``, and sent to every engine; when
+    the engines have more ranks than the trainer has devices, that takes several rounds."""
+    return [{r - start: r for r in range(start, min(start + world_size, rollout_tp))}
+            for start in range(0, rollout_tp, world_size)]
+
+
 def plan_megatron_to_sglang(
     hf: Mapping[str, object], layout: MegatronLayout, world_size: int, rollout_tp: int,
-    rollout_device_offset: int = 0, element_size: int = 4,
+    engine_ranks: Mapping[int, int] | None = None, element_size: int = 4,
 ) -> Plan:
     """Plan the weight sync from a Megatron actor (``layout`` over ``world_size`` devices) into
-    SGLang engines of ``rollout_tp`` ranks each, one engine per ``rollout_tp`` devices starting at
-    ``rollout_device_offset`` (0: colocated with the trainer, hybrid engine)."""
+    SGLang shards of tensor parallelism ``rollout_tp``: ``engine_ranks`` maps each destination
+    device to the SGLang rank whose shards it receives (default: ``colocated_engine_ranks``)."""
     source = megatron_shards(hf, layout)
     holders: dict[str, list] = defaultdict(list)  # hf name -> [(device, key, piece)]
     for device, position in megatron_device_positions(layout, world_size).items():
@@ -131,9 +147,9 @@ def plan_megatron_to_sglang(
                     if piece.hf is not None:
                         holders[piece.hf].append((device, (chunk_index, name), piece))
     per_rank = sglang_shards(hf, rollout_tp)
-    engines = max(1, world_size // rollout_tp) if rollout_device_offset == 0 else 1
-    destinations = {rollout_device_offset + e * rollout_tp + r: per_rank[r] for e in range(engines)
-                    for r in range(rollout_tp)}
+    if engine_ranks is None:
+        engine_ranks = colocated_engine_ranks(world_size, rollout_tp)
+    destinations = {device: per_rank[rank] for device, rank in engine_ranks.items()}
     copies, fills, minimum = [], [], 0
     sent_by: dict[int, int] = defaultdict(int)
     for device, tensors in destinations.items():

@@ -8,7 +8,8 @@ import torch
 from model_specs.presets import hf_config_dict
 from parallel.convert import fill_local_tensor
 from parallel.layout import MegatronLayout
-from parallel.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
+from parallel.plan import (execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang,
+                           separate_pool_rounds)
 from parallel.shards import hf_tensor_shapes, megatron_shards, sglang_shards
 
 LAYOUTS = {"tp1": (MegatronLayout(), 1), "tp2": (MegatronLayout(tp=2), 2), "tp2_pp2": (MegatronLayout(tp=2, pp=2), 4),
@@ -95,6 +96,40 @@ def test_plan_covers_destinations_and_moves_the_minimum(model, layout_name, roll
         reference = materialise(expected[device % rollout_tp], hf_tensors)
         for name, tensor in tensors.items():
             assert torch.equal(tensor, reference[name]), f"device {device} {name}"
+
+
+def _megatron_sources(hf, layout, world, hf_tensors):
+    source = megatron_shards(hf, layout)
+    return {device: {(chunk_index, key): tensor for chunk_index, chunk in enumerate(source[position])
+                     for key, tensor in materialise(chunk, hf_tensors).items()}
+            for device, position in megatron_device_positions(layout, world).items()}
+
+
+@pytest.mark.parametrize("layout_name, rollout_tp", [("tp1", 1), ("tp1", 4), ("tp2", 4), ("tp2_pp2", 2),
+                                                     ("pp2_vpp2", 4)])
+def test_separate_pool_rounds_assemble_every_engine_rank_once_on_trainer_devices(layout_name, rollout_tp):
+    """Engines on their own pool: each SGLang rank's shards are assembled exactly once, on a
+    trainer device, and equal slicing the HF tensors by SGLang's layout."""
+    hf = hf_config_dict("tiny-qwen2-untied")
+    layout, world = LAYOUTS[layout_name]
+    hf_tensors = random_hf_tensors(hf)
+    sources = _megatron_sources(hf, layout, world, hf_tensors)
+    expected = sglang_shards(hf, rollout_tp)
+    assembled = []
+    for engine_ranks in separate_pool_rounds(world, rollout_tp):
+        assert set(engine_ranks) <= set(range(world))  # only trainer devices do the work
+        plan = plan_megatron_to_sglang(hf, layout, world, rollout_tp, engine_ranks=engine_ranks)
+        plan.check()
+        destinations = {device: {k: torch.full(t.shape, float("nan")) for k, t in tensors.items()}
+                        for device, tensors in plan.destinations.items()}
+        execute_plan_in_memory(plan, sources, destinations)
+        for device, rank in engine_ranks.items():
+            reference = materialise(expected[rank], hf_tensors)
+            assert destinations[device].keys() == reference.keys()
+            for name, tensor in destinations[device].items():
+                assert torch.equal(tensor, reference[name]), f"sglang rank {rank} {name}"
+            assembled.append(rank)
+    assert sorted(assembled) == list(range(rollout_tp))
 
 
 def test_plan_check_catches_a_missing_copy():

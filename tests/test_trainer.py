@@ -4,6 +4,7 @@
   seed; the first rollout's SGLang log-probs equal the actor's recomputation (step-0 check);
 - resume: a driver SIGKILLed after its step-2 checkpoint, resumed, gives the same steps 3-4 as an
   uninterrupted run, and no process of the killed run survives;
+- separate rollout pool: engines on ranks of their own give the same steps as colocated ones;
 - PPO with a critic: the value loss falls as the critic learns the returns; a SIGTERM makes the
   driver finish its step, save a checkpoint and exit with status 143;
 - a broken config or a missing dataset fails before Ray starts, with one clear message.
@@ -96,11 +97,28 @@ def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
     assert (tmp_path / "grpo" / "hf_final" / "model.safetensors").is_file()
 
 
-def test_resume_after_sigkill_matches_an_uninterrupted_run(prompts, tmp_path):
-    common = {"trainer.total_steps": 4, "trainer.save_every": 2, "data.batch_size": 8, "rollout.n": 4}
-    code, output = _run(_overrides(prompts, tmp_path / "full", **common) + ["--no-export"])
-    assert code == 0, output[-3000:]
+FOUR_STEPS = {"trainer.total_steps": 4, "trainer.save_every": 2, "data.batch_size": 8, "rollout.n": 4}
+COMPARED = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm")
 
+
+@pytest.fixture(scope="module")
+def uninterrupted(prompts, tmp_path_factory):
+    """Step -> metrics of a 4-step colocated run (2 ranks, two engines of TP=1): the oracle of the
+    resumed run and of the run with engines on a pool of their own."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    code, output = _run(_overrides(prompts, out, **FOUR_STEPS) + ["--no-export"])
+    assert code == 0, output[-3000:]
+    return {m["step"]: m for m in _metrics(out)}
+
+
+def _assert_same_steps(run: dict, oracle: dict, steps) -> None:
+    for step in steps:
+        for key in COMPARED:
+            assert run[step][key] == pytest.approx(oracle[step][key], rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(prompts, uninterrupted, tmp_path):
+    common = FOUR_STEPS
     out = tmp_path / "killed"
     proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **common) + ["--no-export"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -123,13 +141,20 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(prompts, tmp_path):
     code, output = _run(_overrides(prompts, out, **common) + ["--no-export"])
     assert code == 0, output[-3000:]
     assert "resumed from" in output
-    full = {m["step"]: m for m in _metrics(tmp_path / "full")}
-    resumed = {m["step"]: m for m in _metrics(out)}
-    for step in (3, 4):
-        for key in ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss",
-                    "actor/grad_norm"):
-            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-6), (step, key)
+    _assert_same_steps({m["step"]: m for m in _metrics(out)}, uninterrupted, (3, 4))
     assert survivors == [], f"processes of the killed run still alive: {survivors}"
+
+
+def test_engines_on_their_own_pool_match_the_colocated_run(prompts, uninterrupted, tmp_path):
+    """The same two TP=1 engines, now on 2 ranks of their own, fed by the 2 trainer ranks through
+    the separate-pool sync: every step (rollouts after each sync included) equals the colocated run."""
+    separate = {**FOUR_STEPS, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 4,
+                "cluster.pools": "{train: 2, rollout: 2}", "actor.pool": "train", "rollout.placement": "separate",
+                "rollout.pool": "rollout"}
+    code, output = _run(_overrides(prompts, tmp_path / "separate", **separate) + ["--no-export"])
+    assert code == 0, output[-3000:]
+    assert "2 SGLang engine(s) of TP=1 on their own pool 'rollout'" in output, output[-3000:]
+    _assert_same_steps({m["step"]: m for m in _metrics(tmp_path / "separate")}, uninterrupted, (1, 2, 3, 4))
 
 
 SHIFTED_REWARD = """
@@ -185,8 +210,8 @@ def test_broken_config_and_missing_data_fail_before_ray(prompts, tmp_path):
     code, output = _run(_overrides(str(tmp_path / "missing.parquet"), tmp_path / "b"), timeout_s=120)
     assert code == 2 and "missing.parquet" in output, output
     assert "ray" not in output.lower()
-    separate = {"cluster.cpu_ranks_per_node": 2, "cluster.pools": "{train: 1, rollout: 1}", "actor.pool": "train",
-                "rollout.placement": "separate", "rollout.pool": "rollout", "ref.micro_batch_size": 2}
-    code, output = _run(_overrides(prompts, tmp_path / "c", **separate), timeout_s=120)
-    assert code == 2 and "rollout.placement=separate" in output and "not implemented" in output, output
+    own_ref_pool = {"cluster.cpu_ranks_per_node": 2, "cluster.pools": "{train: 1, reference: 1}",
+                    "actor.pool": "train", "ref.pool": "reference", "ref.micro_batch_size": 2}
+    code, output = _run(_overrides(prompts, tmp_path / "c", **own_ref_pool), timeout_s=120)
+    assert code == 2 and "ref.pool=reference" in output and "set ref.pool=null" in output, output
     assert "ray" not in output.lower()

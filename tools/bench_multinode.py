@@ -161,18 +161,13 @@ def summarize_metrics(rows: list[dict], warmup: int, ranks: int, peak_tflops_per
 
 
 def sync_plan_bytes(config) -> dict:
-    """The resharding plan's bytes per sync (what ``sync/bytes`` should be, and its network part)."""
-    import torch
-
+    """The resharding plans' bytes per sync (what ``sync/bytes`` should be, and its network part)."""
     from megarl.config.validate import model_hf_config
-    from parallel.plan import plan_megatron_to_sglang
+    from megarl.trainer import weight_sync_rounds
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.model.dtype]
-    plan = plan_megatron_to_sglang(model_hf_config(config.model.path), config.actor.layout.to_megatron(),
-                                   config.cluster.world_size, config.rollout.tp,
-                                   element_size=torch.tensor([], dtype=dtype).element_size())
-    return {"network_bytes": plan.network_bytes, "local_bytes": plan.local_bytes,
-            "minimum_network_bytes": plan.minimum_network_bytes}
+    plans = [plan for _, plan in weight_sync_rounds(config, model_hf_config(config.model.path))]
+    return {"network_bytes": sum(p.network_bytes for p in plans), "local_bytes": sum(p.local_bytes for p in plans),
+            "minimum_network_bytes": sum(p.minimum_network_bytes for p in plans)}
 
 
 def measured_cpu_peak_tflops(threads: int) -> float:
