@@ -67,6 +67,7 @@ def config_fingerprint(cfg: RunConfig) -> dict:
     """What a checkpoint must agree with to be resumed: the model and the actor's layout."""
     return {"model": cfg.model.path, "dtype": cfg.model.dtype,
             "actor_layout": dataclasses.asdict(cfg.actor.layout), "cluster": dataclasses.asdict(cfg.cluster),
+            "critic_layout": dataclasses.asdict(cfg.layout_for("critic")) if cfg.critic.enabled else None,
             "critic": cfg.critic.enabled, "ref": cfg.ref.enabled}
 
 
@@ -89,22 +90,40 @@ def weight_sync_rounds(cfg: RunConfig, hf_config: dict) -> list[tuple[dict[int, 
 # ----------------------------------------------------------------------------- the controller
 
 
+def megatron_roles(cfg: RunConfig) -> list[str]:
+    """The Megatron models a run builds, in setup order."""
+    return ["actor"] + (["ref"] if cfg.needs_reference else []) + (["critic"] if cfg.critic.enabled else [])
+
+
+def worker_groups(cfg: RunConfig) -> dict[str, list[str]]:
+    """Resource pool -> the Megatron roles its ranks run (one torch.distributed group per pool);
+    the actor's pool first."""
+    groups: dict[str, list[str]] = {}
+    for role in megatron_roles(cfg):
+        groups.setdefault(cfg.pool_for(role), []).append(role)
+    return groups
+
+
 def not_yet_supported(cfg: RunConfig) -> list[str]:
-    """Valid settings the trainer does not implement yet, each with what to set instead. Today the
-    reference and critic run on the actor's ranks with its layout; SGLang engines run colocated or
-    on a pool of their own (one node per engine)."""
+    """Valid settings the trainer does not implement yet, each with what to set instead. Roles that
+    share a pool share its processes and therefore one layout; SGLang engines run colocated with the
+    actor or on a pool of their own, each engine within one node."""
     problems = []
     r = cfg.rollout
     if r.placement == "separate" and r.tp > cfg.cluster.ranks_per_node:
         problems.append(f"rollout.tp={r.tp} on a separate pool: an engine spanning nodes "
                         f"({cfg.cluster.ranks_per_node} ranks each) is not implemented; use rollout.tp <= "
                         f"{cfg.cluster.ranks_per_node}")
-    for role in ("ref", "critic"):
-        section = getattr(cfg, role)
-        if section.pool not in (None, cfg.actor.pool):
-            problems.append(f"{role}.pool={section.pool}: the {role} shares the actor's ranks; set {role}.pool=null")
-        if section.layout is not None and section.layout != cfg.actor.layout:
-            problems.append(f"{role}.layout={section.layout}: the {role} uses the actor's layout; set {role}.layout=null")
+    for pool, roles in worker_groups(cfg).items():
+        first = roles[0]
+        for role in roles[1:]:
+            if cfg.layout_for(role) != cfg.layout_for(first):
+                problems.append(f"{role}.layout ({cfg.layout_for(role)}) differs from the {first}'s on the same pool "
+                                f"{pool!r}: roles sharing a pool share its processes and layout; give the {role} a "
+                                f"pool of its own ({role}.pool) or set {role}.layout=null")
+        if r.placement == "separate" and pool == r.pool:
+            problems.append(f"rollout.pool={pool} is also the {'/'.join(roles)}'s pool: engines on a separate pool "
+                            "need its ranks to themselves; give them a pool no Megatron role uses")
     return problems
 
 
@@ -165,21 +184,19 @@ class Trainer:
                 ranks = cfg.cluster.world_size
                 ray.init(address="local", num_cpus=max(cpus, ranks), num_gpus=ranks if gpu else 0,
                          include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-        self.placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
-        ray.get(self.placement.ready(), timeout=300)
-
-        def on(index: int) -> dict:
-            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, index)}
-
-        address, port = ray.get(ray.remote(num_cpus=0)(_address).options(**on(0)).remote())
         # CPU ranks split their node's CPUs (nodes of a Ray cluster assumed alike this one)
         threads = None if gpu else max(1, cpus // (cfg.cluster.ranks_per_node if on_cluster else cfg.cluster.world_size))
         worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(MegatronWorker)
-        self.workers = [worker_cls.options(**on(r)).remote(r, world, address, port, threads) for r in range(world)]
+        self.placements, self.groups = {}, {}  # pool -> its placement group, its Megatron workers
+        for pool, roles in worker_groups(cfg).items():
+            size = cfg.cluster.pool_sizes()[pool]
+            pg = self.placements[pool] = _ready_placement_group([bundle] * size)
+            address, port = ray.get(ray.remote(num_cpus=0)(_address).options(**_in_bundle(pg, 0)).remote())
+            self.groups[pool] = [worker_cls.options(**_in_bundle(pg, rank)).remote(
+                rank, size, address, port, threads, group=pool) for rank in range(size)]
+        self.role_workers = {role: self.groups[cfg.pool_for(role)] for role in megatron_roles(cfg)}
+        self.workers = self.role_workers["actor"]
         self._setup_models()
         r = cfg.rollout
         engine_kwargs: dict[str, Any] = {"random_seed": cfg.trainer.seed}
@@ -190,24 +207,28 @@ class Trainer:
             # One bundle per engine (all its ranks on one node); engine ranks get the resharded
             # weights from the trainer's devices through Ray's object store.
             num_engines = cfg.world_size_for("rollout") // r.tp
-            engine_bundle = {"GPU": r.tp, "CPU": 1} if gpu else {"CPU": r.tp}
-            self.rollout_placement = placement_group([dict(engine_bundle) for _ in range(num_engines)], strategy="PACK")
-            ray.get(self.rollout_placement.ready(), timeout=300)
+            pg = self.placements[r.pool] = _ready_placement_group(
+                [{"GPU": r.tp, "CPU": 1} if gpu else {"CPU": r.tp}] * num_engines)
             engine_cls = ray.remote(num_cpus=1 if gpu else r.tp, num_gpus=r.tp if gpu else 0)(RolloutWorker)
-            self.engines = [engine_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.rollout_placement, e)).remote(*engine_args) for e in range(num_engines)]
+            self.engines = [engine_cls.options(**_in_bundle(pg, e)).remote(*engine_args) for e in range(num_engines)]
         else:
             num_engines = max(1, world // r.tp)  # one engine per rollout.tp of the actor's ranks
             engine_cls = ray.remote(num_cpus=0)(RolloutWorker)
-            self.engines = [engine_cls.options(**on(e * r.tp)).remote(*engine_args) for e in range(num_engines)]
+            pg = self.placements[cfg.actor.pool]
+            self.engines = [engine_cls.options(**_in_bundle(pg, e * r.tp)).remote(*engine_args)
+                            for e in range(num_engines)]
         self.hf_config = HFCheckpoint(self.model_dir).config
         self.sync_rounds = weight_sync_rounds(cfg, self.hf_config)
         self._call_engines("generate", [[1]], [{"max_new_tokens": 1}], None)  # the engines are up
         where = (f"on their own pool {r.pool!r}" if r.placement == "separate" else "colocated")
-        self.log(f"megarl: {world} Megatron rank(s) (layout {cfg.actor.layout}), {num_engines} SGLang engine(s) "
-                 f"of TP={r.tp} {where}, model {self.model_dir}")
+        pools = "; ".join(f"pool {pool!r}: {len(self.groups[pool])} rank(s) of {'+'.join(roles)} "
+                          f"(layout {cfg.layout_for(roles[0])})" for pool, roles in worker_groups(cfg).items())
+        self.log(f"megarl: Megatron {pools}; {num_engines} SGLang engine(s) of TP={r.tp} {where}; "
+                 f"model {self.model_dir}")
 
     def _setup_models(self) -> None:
+        import ray
+
         from megarl.workers.batch import MicroBatching
         from megarl.workers.megatron_worker import LossSettings, ModelSpec
 
@@ -226,28 +247,28 @@ class Trainer:
                            MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch, packed),
                            a.optim, cfg.trainer.total_steps * steps_per_rl_step, actor_loss, cfg.model.dtype)]
         if cfg.needs_reference:
-            specs.append(ModelSpec("ref", self.model_dir, layout, MicroBatching(cfg.ref.micro_batch_size, packed=packed),
-                                   dtype=cfg.model.dtype))
+            specs.append(ModelSpec("ref", self.model_dir, cfg.layout_for("ref").to_megatron(),
+                                   MicroBatching(cfg.ref.micro_batch_size, packed=packed), dtype=cfg.model.dtype))
         if cfg.critic.enabled:
             c = cfg.critic
-            specs.append(ModelSpec("critic", c.model_path or self.model_dir, layout,
+            specs.append(ModelSpec("critic", c.model_path or self.model_dir, cfg.layout_for("critic").to_megatron(),
                                    MicroBatching(c.micro_batch_size, c.max_tokens_per_micro_batch, packed), c.optim,
                                    cfg.trainer.total_steps * c.ppo_epochs * self._minibatches_per_step(c.mini_batch_size),
                                    LossSettings(loss_agg_mode=c.loss_agg_mode, value_clip=c.value_clip,
                                                 max_len=cfg.rollout.max_new_tokens), cfg.model.dtype))
-        for spec in specs:
-            self.worker_info = self._call_workers("setup", spec, cfg.trainer.seed)
+        ray.get([w.setup.remote(spec, cfg.trainer.seed) for spec in specs for w in self.role_workers[spec.role]])
 
     def _minibatches_per_step(self, mini_batch_size: int | None) -> int:
         return max(1, self.cfg.data.batch_size // (mini_batch_size or self.cfg.data.batch_size))
 
     # ------------------------------------------------------------------ worker calls
 
-    def _call_workers(self, method: str, *args) -> list:
+    def _call_workers(self, method: str, *args, role: str | None = None) -> list:
+        """``method`` on every rank of ``role``'s group (default: every Megatron worker), in lockstep."""
         import ray
 
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return ray.get(refs)
+        workers = self.role_workers[role] if role else [w for group in self.groups.values() for w in group]
+        return ray.get([getattr(w, method).remote(*args) for w in workers])
 
     def _call_engines(self, method: str, *args) -> list:
         import ray
@@ -261,11 +282,21 @@ class Trainer:
         if self.cfg.rollout.placement == "colocated" and self.cfg.cluster.device == "gpu":
             self._call_engines("resume_memory" if hold else "release_memory")
 
-    def _forward(self, role: str, batch: dict, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """A role's per-response-token outputs for the whole batch, in row order."""
-        parts = [p for p in self._call_workers("forward", role, batch, with_entropy) if p is not None]
-        order = torch.cat([p["rows"] for p in parts]).argsort()
-        return {k: torch.cat([p[k] for p in parts])[order] for k in parts[0] if k != "rows"}
+    def forward(self, batch: dict, wanted: dict[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
+        """Forward-only outputs for the whole batch, in row order: ``wanted`` maps a batch key to
+        (role, output), e.g. ``{"ref_logp": ("ref", "logp")}``. All roles are asked at once, so
+        roles on pools of their own compute concurrently."""
+        import ray
+
+        shared = ray.put(batch)  # serialized once for every rank and role
+        pending = {key: [w.forward.remote(role, shared, False) for w in self.role_workers[role]]
+                   for key, (role, _) in wanted.items()}
+        outputs = {}
+        for key, refs in pending.items():
+            parts = [p for p in ray.get(refs) if p is not None]
+            order = torch.cat([p["rows"] for p in parts]).argsort()
+            outputs[key] = torch.cat([p[wanted[key][1]] for p in parts])[order]
+        return outputs
 
     # ------------------------------------------------------------------ the dataflow pieces
 
@@ -342,12 +373,15 @@ class Trainer:
 
     def update(self, batch: dict) -> dict[str, float]:
         """``ppo_epochs`` passes over mini-batches: one optimizer step of the actor (and critic)
-        each; metrics are averaged over the steps."""
+        each; metrics are averaged over the steps. Every call is queued at once: a worker runs its
+        calls in order, and a critic on a pool of its own trains while the actor does."""
+        import ray
+
         from megarl.workers.batch import response_mask
 
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
         rows = len(batch["uid"])
-        seen: dict[str, list[float]] = {}
+        calls = []  # each update call's replies, one per rank (rank 0's: the mini-batch's metrics)
         roles = [("actor", self.cfg.actor)] + ([("critic", self.cfg.critic)] if self.cfg.critic.enabled else [])
         for role, section in roles:
             size = (section.mini_batch_size or self.cfg.data.batch_size) * self.cfg.rollout.n
@@ -356,8 +390,12 @@ class Trainer:
                     mini = {k: v[start:start + size] for k, v in tensors.items()}
                     mask = response_mask(mini)
                     counts = {"tokens": float(mask.sum()), "sequences": float((mask.sum(-1) > 0).sum())}
-                    for key, value in self._call_workers("update", role, mini, counts)[0].items():
-                        seen.setdefault(key, []).append(value)
+                    shared = ray.put(mini)  # serialized once for every rank
+                    calls.append([w.update.remote(role, shared, counts) for w in self.role_workers[role]])
+        seen: dict[str, list[float]] = {}
+        for refs in calls:
+            for key, value in ray.get(refs)[0].items():
+                seen.setdefault(key, []).append(value)
         return {key: sum(values) / len(values) for key, values in seen.items()}
 
     def sync_weights(self) -> dict[str, float]:
@@ -467,7 +505,7 @@ class Trainer:
         target = target or str(self.out / "hf_final")
         if Path(target).exists():
             shutil.rmtree(target)
-        self._call_workers("export_hf", target)
+        self._call_workers("export_hf", target, role="actor")
         self.tokenizer.save_pretrained(target)
         return target
 
@@ -483,6 +521,28 @@ class Trainer:
         self.rewards.close()
         if ray.is_initialized():
             ray.shutdown()
+
+
+def _ready_placement_group(bundles: list[dict]):
+    """A placement group of ``bundles`` (packed onto as few nodes as possible), once Ray has
+    reserved it; fails after 5 minutes if the cluster cannot hold it."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    group = placement_group([dict(b) for b in bundles], strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=300)
+    except ray.exceptions.GetTimeoutError:
+        raise RunError(f"Ray could not reserve {len(bundles)} x {bundles[0]} within 300 s (cluster resources: "
+                       f"{ray.cluster_resources()}); check cluster.nodes / pools against the Ray cluster") from None
+    return group
+
+
+def _in_bundle(group, index: int) -> dict:
+    """Ray options that run an actor or task in bundle ``index`` of placement group ``group``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)}
 
 
 def _address() -> tuple[str, int]:
@@ -551,15 +611,16 @@ def rl_step(t: Trainer) -> dict[str, float]:
     t.engines_hold_memory(False)
     with timed("reward"):
         scores, reward_stats = t.score(batch)
+    wanted = {}  # batch key -> (role, output) of the forward-only passes
     if t.cfg.needs_reference:
-        with timed("reference"):
-            batch["ref_logp"] = t._forward("ref", batch)["logp"]
+        wanted["ref_logp"] = ("ref", "logp")
     if _needs_old_logp(t):
-        with timed("old_logp"):
-            batch["old_logp"] = t._forward("actor", batch)["logp"]
+        wanted["old_logp"] = ("actor", "logp")
     if t.cfg.critic.enabled:
-        with timed("values"):
-            batch["old_values"] = t._forward("critic", batch)["values"]
+        wanted["old_values"] = ("critic", "values")
+    if wanted:
+        with timed("forward"):
+            batch.update(t.forward(batch, wanted))
     t.advantages(batch, scores, metrics)
     with timed("update"):
         metrics.update(t.update(batch))

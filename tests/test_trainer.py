@@ -4,9 +4,9 @@
   seed; the first rollout's SGLang log-probs equal the actor's recomputation (step-0 check);
 - resume: a driver SIGKILLed after its step-2 checkpoint, resumed, gives the same steps 3-4 as an
   uninterrupted run, and no process of the killed run survives;
-- separate rollout pool: engines on ranks of their own give the same steps as colocated ones;
-- PPO with a critic: the value loss falls as the critic learns the returns; a SIGTERM makes the
-  driver finish its step, save a checkpoint and exit with status 143;
+- pools: engines and reference on ranks of their own give the same steps as colocated ones;
+- PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
+  a SIGTERM makes the driver finish its step, save a checkpoint and exit with status 143;
 - a broken config or a missing dataset fails before Ray starts, with one clear message.
 """
 
@@ -145,16 +145,21 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(prompts, uninterrupte
     assert survivors == [], f"processes of the killed run still alive: {survivors}"
 
 
-def test_engines_on_their_own_pool_match_the_colocated_run(prompts, uninterrupted, tmp_path):
+def test_every_role_on_a_pool_of_its_own_matches_the_colocated_run(prompts, uninterrupted, tmp_path):
     """The same two TP=1 engines, now on 2 ranks of their own, fed by the 2 trainer ranks through
-    the separate-pool sync: every step (rollouts after each sync included) equals the colocated run."""
-    separate = {**FOUR_STEPS, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 4,
-                "cluster.pools": "{train: 2, rollout: 2}", "actor.pool": "train", "rollout.placement": "separate",
-                "rollout.pool": "rollout"}
+    the separate-pool sync, and the reference on 2 more ranks at PP=2: every step (rollouts after
+    each sync, KL to the reference) equals the colocated run's."""
+    separate = {**FOUR_STEPS, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 6,
+                "cluster.pools": "{train: 2, rollout: 2, reference: 2}", "actor.pool": "train",
+                "rollout.placement": "separate", "rollout.pool": "rollout", "ref.pool": "reference",
+                "ref.layout.pp": 2}
     code, output = _run(_overrides(prompts, tmp_path / "separate", **separate) + ["--no-export"])
     assert code == 0, output[-3000:]
+    assert "pool 'reference': 2 rank(s) of ref (layout tp=1 pp=2 cp=1)" in output, output[-3000:]
     assert "2 SGLang engine(s) of TP=1 on their own pool 'rollout'" in output, output[-3000:]
-    _assert_same_steps({m["step"]: m for m in _metrics(tmp_path / "separate")}, uninterrupted, (1, 2, 3, 4))
+    steps = {m["step"]: m for m in _metrics(tmp_path / "separate")}
+    _assert_same_steps(steps, uninterrupted, (1, 2, 3, 4))
+    assert steps[4]["actor/kl_loss"] > 1e-6  # the reference's log-probs are in the compared loss
 
 
 SHIFTED_REWARD = """
@@ -171,7 +176,9 @@ def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_
     reward_file = tmp_path / "shifted.py"
     reward_file.write_text(SHIFTED_REWARD)
     out = tmp_path / "ppo"
-    settings = {"trainer.total_steps": 50, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 1,
+    # The critic trains on a pool of its own, concurrently with the actor.
+    settings = {"trainer.total_steps": 50, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 2,
+                "cluster.pools": "{train: 1, values: 1}", "actor.pool": "train", "critic.pool": "values",
                 "data.batch_size": 32, "rollout.n": 1, "actor.micro_batch_size": 32, "ref.micro_batch_size": 32,
                 "critic.micro_batch_size": 32, "actor.sequence_packing": "true",  # packed rows, all 3 models
                 "algorithm.advantage": "gae", "algorithm.lam": 0.95,
@@ -194,6 +201,7 @@ def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_
     assert 8 <= last < 50 and f"SIGTERM: saved step {last}" in output, output[-3000:]
     saved = out / "checkpoints" / f"step_{last:06d}"
     assert (saved / "trainer_state.json").is_file() and (saved / "critic").is_dir() and not (saved / "ref").exists()
+    assert sorted(p.name for p in (saved / "rank_states").iterdir()) == ["train", "values"]
     vf_loss = [m["critic/vf_loss"] for m in steps]
     print("PPO critic value loss per step:", [round(v, 4) for v in vf_loss])
     assert vf_loss[0] > 0.2, vf_loss
@@ -210,8 +218,7 @@ def test_broken_config_and_missing_data_fail_before_ray(prompts, tmp_path):
     code, output = _run(_overrides(str(tmp_path / "missing.parquet"), tmp_path / "b"), timeout_s=120)
     assert code == 2 and "missing.parquet" in output, output
     assert "ray" not in output.lower()
-    own_ref_pool = {"cluster.cpu_ranks_per_node": 2, "cluster.pools": "{train: 1, reference: 1}",
-                    "actor.pool": "train", "ref.pool": "reference", "ref.micro_batch_size": 2}
-    code, output = _run(_overrides(prompts, tmp_path / "c", **own_ref_pool), timeout_s=120)
-    assert code == 2 and "ref.pool=reference" in output and "set ref.pool=null" in output, output
+    code, output = _run(_overrides(prompts, tmp_path / "c", **{"ref.layout.pp": 2}), timeout_s=120)
+    assert code == 2 and "ref.layout (tp=1 pp=2 cp=1) differs from the actor's" in output, output
+    assert "give the ref a pool of its own" in output, output
     assert "ray" not in output.lower()

@@ -46,6 +46,12 @@ class LayoutConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
 
+    def __str__(self) -> str:
+        """Short form for messages and logs, e.g. ``tp=2 pp=2 vpp=2 cp=1 sp``."""
+        extras = ([f"vpp={self.vpp}"] if self.vpp else []) + (["sp"] if self.sequence_parallel else []) + (
+            ["dist-opt"] if self.use_distributed_optimizer else [])
+        return " ".join([f"tp={self.tp} pp={self.pp} cp={self.cp}", *extras])
+
     def to_megatron(self):
         """The ``parallel.layout.MegatronLayout`` of this section (imports torch)."""
         from parallel.layout import MegatronLayout

@@ -1,9 +1,10 @@
 """One rank of the Megatron models of a run: actor (trained policy), reference, critic.
 
 A ``MegatronWorker`` lives in its own process (a Ray actor in a run, a spawned rank in tests) and
-joins torch.distributed with its peers; every public method is called on all ranks in lockstep.
-The models of one worker share megatron's process groups, hence one layout: the reference and
-critic live next to the actor (the hybrid placement), which costs no extra processes.
+joins torch.distributed with its peers (its group: the ranks of one resource pool); every public
+method is called on all ranks of the group in lockstep. The models of one worker share megatron's
+process groups, hence one layout: a reference or critic with the actor's pool lives next to the
+actor (the hybrid placement, no extra processes); one on a pool of its own is a group of its own.
 
 Log-probs, entropies and values are computed on the last pipeline stage from vocab-parallel
 logits (``parallel.vocab_parallel``), gathered over context parallelism, and returned by one
@@ -93,8 +94,10 @@ class MegatronWorker:
     """A rank: joins torch.distributed at construction; ``setup`` builds models."""
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, threads: int | None = None, timeout_s: float = 600.0):
-        """Join torch.distributed as ``rank`` of ``world_size`` (unless this process already has)."""
+                 master_port: int | None = None, threads: int | None = None, timeout_s: float = 600.0,
+                 group: str = "global"):
+        """Join torch.distributed as ``rank`` of ``world_size`` (unless this process already has);
+        ``group`` names this set of ranks (its resource pool) in checkpoints."""
         import torch.distributed as dist
 
         from parallel import cpu_compat
@@ -109,6 +112,7 @@ class MegatronWorker:
                                     init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.group = group
         self.models: dict[str, _Model] = {}
         self.layout = None
 
@@ -372,7 +376,7 @@ class MegatronWorker:
     def save_checkpoint(self, directory: str) -> None:
         """Collective: every trained model's weights as a Megatron distributed checkpoint (loadable
         at any layout) under ``directory/<role>``, and this rank's optimizer, step and RNG states
-        (resumable at the same layout) under ``directory/rank_states/rank<r>.pt``. Frozen models
+        (resumable at the same layout) under ``directory/rank_states/<group>/rank<r>.pt``. Frozen models
         (the reference) are not saved: a resumed run rebuilds them from their initial weights."""
         import random
         from pathlib import Path
@@ -392,7 +396,7 @@ class MegatronWorker:
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                     "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()},
         }
-        target = Path(directory) / "rank_states" / f"rank{self.rank}.pt"
+        target = self._rank_state_file(directory)
         target.parent.mkdir(parents=True, exist_ok=True)
         temporary = target.with_suffix(".tmp")
         torch.save(state, temporary)
@@ -410,13 +414,13 @@ class MegatronWorker:
 
         from parallel.dist_ckpt import load_megatron_checkpoint
 
-        state = torch.load(Path(directory) / "rank_states" / f"rank{self.rank}.pt", weights_only=False)
+        state = torch.load(self._rank_state_file(directory), weights_only=False)
         mine = dataclasses.asdict(self.layout)
         if state["layout"] != mine or state["world_size"] != self.world_size:
             raise ValueError(
-                f"checkpoint {directory} was saved with layout {state['layout']} on {state['world_size']} ranks, "
-                f"this run has {mine} on {self.world_size}; resume with the same actor layout and cluster, "
-                "or start a new run from its weights (convert the checkpoint to HF with `megarl convert`)")
+                f"checkpoint {directory} was saved with layout {state['layout']} on {state['world_size']} ranks "
+                f"of pool {self.group!r}, this run has {mine} on {self.world_size}; resume with the same layouts "
+                "and cluster, or start a new run from its weights (convert the checkpoint to HF with `megarl convert`)")
         for role, model in self.models.items():
             if model.optimizer is not None:
                 load_megatron_checkpoint(model.chunks, Path(directory) / role)
@@ -426,6 +430,11 @@ class MegatronWorker:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["megatron"])
+
+    def _rank_state_file(self, directory: str):
+        from pathlib import Path
+
+        return Path(directory) / "rank_states" / self.group / f"rank{self.rank}.pt"
 
     def export_hf(self, target: str) -> None:
         """Collective: the actor's weights as an HF checkpoint at ``target`` (atomic)."""
