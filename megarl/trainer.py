@@ -1,8 +1,10 @@
 """The single controller of an RL run: one driver process that owns no model weights.
 
-It starts Ray, places one ``MegatronWorker`` per rank of the actor's pool (actor, reference and
-critic share those processes and their layout) and one ``RolloutWorker`` (an SGLang engine of
-``rollout.tp`` ranks) per ``rollout.tp`` ranks, and then runs the algorithm step by step::
+It starts Ray, places one ``MegatronWorker`` per rank of each resource pool a Megatron role uses
+(roles sharing a pool share its processes and layout: by default actor, reference and critic all
+run on the actor's) and one ``RolloutWorker`` (an SGLang engine of ``rollout.tp`` ranks) per
+``rollout.tp`` ranks of the actor's pool (colocated) or of the rollout's own pool (separate), and
+then runs the algorithm step by step::
 
     generate -> reward -> reference / critic forward -> advantages -> update -> weight sync
 
