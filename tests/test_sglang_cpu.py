@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.rollout import (EngineDiedError, EngineTimeoutError, SGLangEngine, serialize_rank_tensors,
+from megarl.rollout import (EngineDiedError, EngineTimeoutError, SGLangEngine, SharedMemoryStaging,
+                            serialize_rank_tensors,
                             sglang_tensor_checksum)
 from model_specs.presets import PRESETS, save_tiny_hf_model
 from parallel.cpu_stubs import child_env
@@ -64,7 +65,9 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[tuple[list[int]
 
 
 def _engine_leftovers(pgid: int) -> list[psutil.Process]:
-    """Live processes of the engine's process group, plus live descendants of this process."""
+    """Live processes of the engine's process group, plus live descendants of this process other
+    than torch's shared-memory manager (started by the handle's staging buffers in this process, it
+    serves this process and exits with it)."""
     in_group = []
     for p in psutil.process_iter():
         try:
@@ -72,7 +75,7 @@ def _engine_leftovers(pgid: int) -> list[psutil.Process]:
                 in_group.append(p)
         except (OSError, psutil.Error):
             pass
-    return live(in_group) + live_descendants()
+    return live(in_group) + [p for p in live_descendants() if p.name() != "torch_shm_manager"]
 
 
 # --------------------------------------------------------------------------- stubs
@@ -235,6 +238,34 @@ def test_rank_payload_is_self_contained_and_owns_its_bytes():
         serialize_rank_tensors({"x": [1.0]})
 
 
+def test_shared_memory_payload_names_a_reused_buffer(tmp_path):
+    """A staged payload is a few KB whatever the tensors' size; a separate process decodes it with
+    SGLang's own (whitelisting) deserializer into the same values, for several dtypes and shapes;
+    the next update reuses the buffer."""
+    staging = SharedMemoryStaging()
+    tensors = {"w": torch.randn(512, 512), "half": torch.randn(3, 5).to(torch.bfloat16),
+               "ids": torch.arange(7), "empty": torch.zeros(0, 4), "slice": torch.randn(100, 64)[10:20, 3:9]}
+    payload = staging.payload(0, tensors)
+    assert payload is not None and len(payload) < 16384  # the tensors hold 1 MB
+    (tmp_path / "payload.bin").write_bytes(payload)
+    torch.save(tensors, tmp_path / "expected.pt")
+    decode = (
+        "import sys, torch\n"
+        "from sglang.srt.utils.common import MultiprocessingSerializer\n"
+        "got = MultiprocessingSerializer.deserialize(open(sys.argv[1], 'rb').read())\n"
+        "want = torch.load(sys.argv[2])\n"
+        "assert [n for n, _ in got] == list(want), [n for n, _ in got]\n"
+        "for n, t in got:\n"
+        "    assert t.dtype == want[n].dtype and torch.equal(t, want[n]), n\n"
+        "print('decoded', len(got))\n")
+    done = subprocess.run([sys.executable, "-c", decode, str(tmp_path / "payload.bin"), str(tmp_path / "expected.pt")],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "decoded 5" in done.stdout, done.stderr[-3000:]
+    buffer = staging._buffers[0]
+    assert staging.payload(0, {"w": torch.ones(512, 512)}) is not None and staging._buffers[0] is buffer
+    staging.close()
+
+
 class TestWeightUpdate:
     TP = 2
 
@@ -269,12 +300,13 @@ class TestWeightUpdate:
         # In place: every parameter of every rank is where it was.
         assert sglang_probe.parameter_pointers(engine, str(tmp_path / "after")) == pointers
 
-        # Back to the first checkpoint in two buckets, flushing the cache only after the last.
+        # Back to the first checkpoint in two buckets, flushing the cache only after the last,
+        # with the bytes inline in the payloads this time (the fallback of the shared-memory path).
         with engine.weight_update():
             for half in (0, 1):
                 engine.update_weights_direct(
                     [{n: t for i, (n, t) in enumerate(r.items()) if i % 2 == half} for r in first],
-                    flush_cache=bool(half))
+                    flush_cache=bool(half), via_shared_memory=False)
         assert engine.rank_parameter_checksums() == _checksums(first)
 
     @pytest.mark.timeout(300)

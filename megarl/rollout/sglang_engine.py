@@ -121,14 +121,7 @@ def serialize_rank_tensors(tensors: dict[str, Any]) -> bytes:
     IPC handles, the way SGLang's own Engine serializes them (its serializer, after its reductions
     patch); that path needs a GPU and has not been run yet.
     """
-    import torch
-
-    items = []
-    for name, tensor in tensors.items():
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"update payload entries must be str -> torch.Tensor, got {name!r} -> "
-                            f"{type(tensor).__name__}")
-        items.append((name, tensor.detach()))
+    items = _payload_items(tensors)
     devices = {t.device.type for _, t in items}
     if devices <= {"cpu"}:
         own = [(n, t if t.is_contiguous() and t.storage_offset() == 0
@@ -142,6 +135,80 @@ def serialize_rank_tensors(tensors: dict[str, Any]) -> bytes:
         monkey_patch_torch_reductions()
         return MultiprocessingSerializer.serialize(items)
     raise ValueError(f"update payload mixes or uses unsupported devices {sorted(devices)}")
+
+
+class SharedMemoryStaging:
+    """Per-TP-rank CPU staging buffers in shared memory, reused by every weight update of an engine
+    on this host (the handle's engine always is). A rank's tensors are copied into its buffer and
+    the payload names the buffer (torch's ``file_system`` sharing: a few KB, rebuilt by SGLang's
+    whitelisted ``rebuild_storage_filename``) instead of carrying the bytes, which saves three
+    copies (the handle's pipe, SGLang's zmq hop, the unpickling) per update: 88 MB went from
+    0.6 s to 0.1 s here. The schedulers copy out of the buffer before the update call returns,
+    so the next update may overwrite it. When /dev/shm cannot hold a buffer, ``payload`` returns
+    None and the caller sends the bytes inline (:func:`serialize_rank_tensors`)."""
+
+    ALIGN = 64  # bytes; every tensor starts at a multiple (any dtype's alignment)
+
+    def __init__(self):
+        self._buffers: dict[int, Any] = {}  # rank -> flat uint8 tensor in shared memory
+
+    @classmethod
+    def _aligned(cls, nbytes: int) -> int:
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
+
+    def payload(self, rank: int, tensors: dict[str, Any]) -> bytes | None:
+        import io
+        import shutil
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch
+        import torch.multiprocessing as torch_mp
+        import torch.multiprocessing.reductions  # noqa: F401 - registers the tensor reducers
+
+        items = _payload_items(tensors)
+        if any(t.device.type != "cpu" for _, t in items):
+            return None
+        need = sum(self._aligned(t.numel() * t.element_size()) for _, t in items)
+        buffer = self._buffers.get(rank)
+        previous = torch_mp.get_sharing_strategy()
+        torch_mp.set_sharing_strategy("file_system")  # a named segment any local process can map
+        try:
+            if buffer is None or buffer.numel() < need:
+                self._buffers.pop(rank, None)
+                try:
+                    free = shutil.disk_usage("/dev/shm").free
+                except OSError:
+                    return None
+                if free < need * 1.25:
+                    return None
+                buffer = self._buffers[rank] = torch.empty(need, dtype=torch.uint8).share_memory_()
+            views, offset = [], 0
+            for name, tensor in items:
+                nbytes = tensor.numel() * tensor.element_size()
+                view = buffer[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape)
+                view.copy_(tensor)
+                views.append((name, view))
+                offset += self._aligned(nbytes)
+            out = io.BytesIO()
+            ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(views)
+            return out.getvalue()
+        finally:
+            torch_mp.set_sharing_strategy(previous)
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+
+def _payload_items(tensors: dict[str, Any]) -> list:
+    import torch
+
+    items = []
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"update payload entries must be str -> torch.Tensor, got {name!r} -> "
+                            f"{type(tensor).__name__}")
+        items.append((name, tensor.detach()))
+    return items
 
 
 def sglang_tensor_checksum(tensor) -> str:
@@ -222,6 +289,7 @@ class SGLangEngine:
         self._closed = False
         self._weight_update_open = False  # between begin_weight_update and end_weight_update
         self._parameter_names: list[frozenset[str]] | None = None
+        self._staging = SharedMemoryStaging()
         self._conn.send(kwargs)
         self.info = self._wait_reply(startup_timeout_s, "startup")
 
@@ -297,7 +365,7 @@ class SGLangEngine:
                 self.end_weight_update(timeout_s=timeout_s)
 
     def update_weights_direct(self, per_rank: list[dict[str, Any]], flush_cache: bool = True,
-                              timeout_s: float | None = None) -> None:
+                              timeout_s: float | None = None, via_shared_memory: bool = True) -> None:
         """Copy already-sharded tensors into each TP rank's parameters, in place.
 
         ``per_rank[r]`` maps SGLang parameter names of TP rank ``r`` (``named_parameters()`` of its
@@ -307,6 +375,9 @@ class SGLangEngine:
         per rank, each rank decodes only its own (:func:`serialize_rank_tensors`). Must run
         inside :meth:`weight_update`. ``flush_cache`` flushes SGLang's prefix cache after the
         load (pass False for all but the last bucket).
+        CPU tensors travel through this handle's shared-memory staging buffers
+        (:class:`SharedMemoryStaging`) unless ``via_shared_memory=False`` or /dev/shm is too small;
+        then their bytes go inline.
 
         SGLang's direct loader checks nothing before copying, and a bad entry kills the engine
         (the scheduler dies: :class:`EngineDiedError`). Names are checked here first against
@@ -325,7 +396,8 @@ class SGLangEngine:
                 raise ValueError(f"update_weights_direct: TP rank {rank} has no parameter(s) {unknown[:5]}"
                                  f"{' ...' if len(unknown) > 5 else ''}; its parameters are SGLang's "
                                  f"names, e.g. {sorted(known)[:3]}")
-        payloads = [serialize_rank_tensors(tensors) for tensors in per_rank]
+        payloads = [(self._staging.payload(rank, tensors) if via_shared_memory else None)
+                    or serialize_rank_tensors(tensors) for rank, tensors in enumerate(per_rank)]
         self.call("update_weights_from_payloads", payloads, "direct", flush_cache, timeout_s=timeout_s)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100,
@@ -444,6 +516,7 @@ class SGLangEngine:
         except (OSError, subprocess.TimeoutExpired):
             pass
         self._kill()
+        self._staging.close()
         if self._own_log:
             Path(self.log_path).unlink(missing_ok=True)
 

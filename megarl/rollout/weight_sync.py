@@ -10,6 +10,7 @@ fixed completion against the trainer's.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Mapping, Sequence
 
@@ -27,11 +28,13 @@ def shard_checksums(per_rank: Sequence[Mapping[str, torch.Tensor]]) -> list[dict
     return [{name: sglang_tensor_checksum(tensor) for name, tensor in tensors.items()} for tensors in per_rank]
 
 
-def check_parity(engine: SGLangEngine, expected: Sequence[Mapping[str, str]]) -> None:
+def check_parity(engine: SGLangEngine, expected: Sequence[Mapping[str, str]] | concurrent.futures.Future) -> None:
     """Raise WeightSyncError unless every expected parameter of every engine rank has the
-    expected checksum. (That a full sync names every SGLang parameter is the plan's guarantee,
-    tested against SGLang's own loaders.)"""
+    expected checksum (``expected`` may still be being computed: a Future of it). (That a full
+    sync names every SGLang parameter is the plan's guarantee, tested against SGLang's own loaders.)"""
     actual = engine.rank_parameter_checksums()
+    if isinstance(expected, concurrent.futures.Future):
+        expected = expected.result()
     for rank, (want, have) in enumerate(zip(expected, actual)):
         for name, digest in want.items():
             if have.get(name) != digest:
@@ -56,7 +59,10 @@ def sync_weights(engine: SGLangEngine, per_rank: Sequence[Mapping[str, torch.Ten
                                          flush_cache=flush_cache and index == len(buckets) - 1)
     pushed = time.perf_counter()
     if verify:
-        check_parity(engine, shard_checksums(per_rank))
+        # hashlib releases the GIL: hash the trainer's shards while the schedulers hash theirs
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            expected = pool.submit(shard_checksums, per_rank)
+            check_parity(engine, expected)
     return {
         "push_s": pushed - start,
         "verify_s": time.perf_counter() - pushed,
