@@ -127,8 +127,10 @@ def _convert(args: argparse.Namespace) -> int:
         report = run_on_ranks(conversion_on_rank, world, args.direction, args.input, args.output, layout,
                               not args.no_verify, timeout_s=args.timeout)[0]
     if not under_launcher or os.environ.get("RANK") == "0":
+        probe = (f", {report['peak_rss_bytes'] / 2**20:.0f} MiB with the verification's logit probe"
+                 if report["peak_rss_bytes"] > report["conversion_peak_rss_bytes"] else "")
         print(f"megarl convert: done: {report['tensors']} tensors in {report['seconds']:.1f} s, "
-              f"peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB (largest rank)")
+              f"peak RSS {report['conversion_peak_rss_bytes'] / 2**20:.0f} MiB converting (largest rank){probe}")
     return 0
 
 

@@ -308,25 +308,41 @@ def slurm_geometry_problems(cfg: RunConfig, nodes: int | None, gpus_per_node: in
     return problems
 
 
+CONVERT_PROCESS_BYTES = 0.4 * GiB  # a conversion rank's imports and meta model (measured on CPU, 2026-12)
+
+
 def conversion_plan(cfg: RunConfig, ranks_per_node: int, verify: bool = True) -> str:
     """What ``megarl convert`` at the actor's layout holds per rank and node (host memory).
 
-    Conversion ranks build the model chunks of their shard in fp32 (``build_model_chunks``'
-    default), fill them from slices of the safetensors files, and with verification read the
-    written checkpoint back into a second set of chunks; a layout needs tp*pp*cp ranks (no data
-    parallel). The logit probe is skipped above 2B parameters, so it adds nothing for 70B.
+    Conversion streams (``parallel/ckpt_stream.py``): a rank holds one stored shard at a time
+    (fp32, plus its serialised copy while it is written or read), and rank 0 of an export also
+    the full HF tensor it is assembling. Only the logit probe of the verification builds the
+    model (the rank's stage in fp32); it is skipped above 2B parameters. A layout needs tp*pp*cp
+    ranks (no data parallel).
     """
+    import math
+
     from megarl.config.validate import model_hf_config
     from parallel.memory import ModelShape, megatron_stage_params
+    from parallel.shards import hf_tensor_shapes, megatron_shards
 
     hf = model_hf_config(cfg.model.path)
     shape = ModelShape.from_hf(hf)
     layout = cfg.actor.layout
     world = cfg.cluster.world_size
-    per_rank = max(megatron_stage_params(shape, layout, s) for s in range(layout.pp)) * 4 * (2 if verify else 1)
+    shard = 4 * max(math.prod(t.shape) for chunks in megatron_shards(hf, layout.to_megatron()).values()
+                    for chunk in chunks for t in chunk.values())
+    tensor = 4 * max(math.prod(s) for s in hf_tensor_shapes(hf).values())
+    probe = verify and shape.total_params() <= 2e9
+    per_rank = CONVERT_PROCESS_BYTES + 2 * shard + (
+        max(megatron_stage_params(shape, layout, s) for s in range(layout.pp)) * 4 if probe else 0)
+    export_rank0 = per_rank + tensor
     return "\n".join([
         f"conversion of {cfg.model.path} ({_count(shape.total_params())} parameters) at tp={layout.tp} "
         f"pp={layout.pp} vpp={layout.vpp or '-'}: {world} ranks ({world // ranks_per_node} nodes x {ranks_per_node})",
-        f"host memory: {per_rank / GiB:.1f} GiB per rank (fp32 shard{' + its read-back copy' if verify else ''}), "
-        f"{per_rank * ranks_per_node / GiB:.0f} GiB per node",
+        f"host memory (streamed, one shard at a time): {per_rank / GiB:.1f} GiB per rank (largest shard "
+        f"{shard / GiB:.2f} GiB fp32, twice while serialised, + ~{CONVERT_PROCESS_BYTES / GiB:.1f} GiB process"
+        f"{' + the logit probe' + chr(39) + 's model stage' if probe else ''}), rank 0 of megatron-to-hf "
+        f"{export_rank0 / GiB:.1f} GiB (with the largest HF tensor, {tensor / GiB:.2f} GiB, being assembled), "
+        f"{(per_rank * ranks_per_node + tensor) / GiB:.0f} GiB per node",
     ])

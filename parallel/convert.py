@@ -149,11 +149,13 @@ def export_hf_checkpoint(chunks: list, hf: Mapping[str, Any], layout: MegatronLa
     that differs from its recorded checksum fails the export before anything is renamed."""
     from parallel.hf_io import write_hf_checkpoint
 
+    dtype = next(iter(unwrap_model(chunks[0]).parameters())).dtype
     stream = gather_hf_tensors(chunks, hf, layout)
     if recorded_checksums:
         stream = _matching_checksums(stream, recorded_checksums, source)
     if dist.get_rank() == 0:
-        write_hf_checkpoint(target, hf_config_for_export(hf, torch.float32), stream)
+        specs = {name: (shape, dtype) for name, shape in hf_tensor_shapes(hf).items()}
+        write_hf_checkpoint(target, hf_config_for_export(hf, dtype), stream, specs)
     else:
         for _ in stream:
             pass
@@ -289,37 +291,26 @@ def peak_rss_bytes() -> int:
     return int(peak.item())
 
 
-def _checksums_of(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout,
-                  reference: HFCheckpoint | None = None) -> dict[str, str]:
-    """Checksum of every HF tensor the chunks hold (rank 0; {} elsewhere); with ``reference``,
-    also require each tensor to equal the reference checkpoint's bit for bit."""
-    from parallel.hf_io import tensor_checksum
-
-    sums = {}
-    for name, tensor in gather_hf_tensors(chunks, hf, layout):
-        if tensor is None:
-            continue
-        if reference is not None:
-            source = reference.read(name).to(tensor.dtype)
-            if not torch.equal(source, tensor):
-                raise CheckpointError(f"{name}: converted weights differ from {reference.path} "
-                                      f"(max abs diff {float((source - tensor).abs().max()):.3g})")
-        sums[name] = tensor_checksum(tensor)
-    return sums
-
-
 PROBE_TOKENS = torch.tensor([[1, 5, 9, 14, 3, 7, 2, 8]])
 
 
-def logit_probe(chunks: list, hf_dir: str, max_params: float = 2e9, atol: float = 1e-4) -> str:
-    """Collective: compare the Megatron chunks' logits on a fixed prompt with HF transformers'
-    logits of ``hf_dir`` (run on the last pipeline stage). Returns a one-line result."""
+def logit_probe(ckpt_dir: str, layout: MegatronLayout, hf_dir: str, max_params: float = 2e9,
+                atol: float = 1e-4) -> str:
+    """Collective: compare the logits on a fixed prompt of the model megatron's own load builds
+    from ``ckpt_dir`` at ``layout`` with HF transformers' logits of ``hf_dir`` (on the last
+    pipeline stage). The only step of a conversion that holds the model's weights, so it is
+    skipped above ``max_params``. Returns a one-line result."""
     hf = HFCheckpoint(hf_dir, check_tensors=False)
     vocab = hf.config["vocab_size"]
     tokens = PROBE_TOKENS % vocab
     n_params = sum(torch.Size(hf.shape(name)).numel() for name in hf.names)
     if n_params > max_params:
         return f"logit probe skipped: {n_params / 1e9:.1f}B parameters exceed the CPU probe limit {max_params / 1e9:.1f}B"
+    from parallel.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
+    from parallel.layout import build_model_chunks
+
+    chunks = build_model_chunks(read_checkpoint_metadata(ckpt_dir)["hf_config"], layout)
+    load_megatron_checkpoint(chunks, ckpt_dir)
     logits = prompt_logits(chunks, tokens)
     result = torch.tensor([0.0, 0.0], dtype=torch.float64)  # [max diff, reported]
     if logits is not None and dist.get_rank() == dist.get_world_size() - 1:
@@ -336,43 +327,59 @@ def logit_probe(chunks: list, hf_dir: str, max_params: float = 2e9, atol: float 
     return f"logit probe passed: max |megatron - HF transformers| = {result[0]:.2g} (atol {atol})"
 
 
+PARAMS_DTYPE = torch.float32  # what build_model_chunks holds and the converter stores
+
+
 def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bool = True) -> dict:
-    """Collective: convert an HF checkpoint into a Megatron dist checkpoint, sharded at ``layout``."""
+    """Collective: convert an HF checkpoint into a Megatron dist checkpoint, sharded at ``layout``.
+
+    Streams: each rank writes its shards straight from the safetensors files, one shard in
+    memory at a time (``parallel.ckpt_stream``); no rank builds the model's weights, except the
+    logit probe of the verification (capped by model size)."""
     import time
 
-    from parallel.dist_ckpt import load_megatron_checkpoint, save_megatron_checkpoint
-    from parallel.layout import build_model_chunks, initialize_megatron
+    from parallel.ckpt_stream import read_hf_tensors, save_streamed
+    from parallel.dist_ckpt import write_megatron_checkpoint
+    from parallel.hf_io import tensor_checksum
+    from parallel.layout import initialize_megatron
 
     start = time.monotonic()
     ckpt = HFCheckpoint(hf_dir)
     layout.validate(dist.get_world_size(), ckpt.config)
     initialize_megatron(layout)
     _log(f"{hf_dir} -> {out_dir} at tp={layout.tp} pp={layout.pp} vpp={layout.vpp} on {dist.get_world_size()} rank(s)")
-    chunks = build_model_chunks(ckpt.config, layout)
-    load_hf_into_chunks(chunks, ckpt, layout)
-    _log(f"loaded this layout's shards in {time.monotonic() - start:.1f} s; checking every tensor against the source")
-    checksums = _checksums_of(chunks, ckpt.config, layout, reference=ckpt)
-    save_megatron_checkpoint(chunks, out_dir, ckpt.config, layout, checksums)
+    names = list(hf_tensor_shapes(ckpt.config))
+    checksums = ({name: tensor_checksum(ckpt.read(name).to(PARAMS_DTYPE)) for name in names}
+                 if dist.get_rank() == 0 else {})
+
+    def write(directory):
+        save_streamed(ckpt, layout, directory)
+        if verify:  # before the rename: a checkpoint that does not read back is never put in place
+            stream = read_hf_tensors(directory, ckpt.config, layout)
+            bad = [name for name, tensor in stream or () if tensor_checksum(tensor) != checksums[name]]
+            if bad:
+                raise CheckpointError(f"{out_dir}: tensors read back differ from the source: {bad[:5]}")
+
+    write_megatron_checkpoint(out_dir, ckpt.config, layout, checksums, write)
     _log(f"saved {out_dir} in {time.monotonic() - start:.1f} s")
-    report = {"tensors": len(hf_tensor_shapes(ckpt.config))}
+    report = {"tensors": len(names), "conversion_peak_rss_bytes": peak_rss_bytes()}
     if verify:
-        fresh = build_model_chunks(ckpt.config, layout)
-        load_megatron_checkpoint(fresh, out_dir)
-        reloaded = _checksums_of(fresh, ckpt.config, layout)
-        if dist.get_rank() == 0 and reloaded != checksums:
-            bad = sorted(k for k in checksums if reloaded.get(k) != checksums[k])
-            raise CheckpointError(f"{out_dir}: tensors read back differ from the source: {bad[:5]}")
-        _log(f"verified: {len(checksums)} tensors read back bit-exact; " + logit_probe(fresh, hf_dir))
+        _log(f"verified: {len(checksums)} tensors read back bit-exact; " + logit_probe(out_dir, layout, hf_dir))
     report.update(seconds=time.monotonic() - start, peak_rss_bytes=peak_rss_bytes())
     return report
 
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: bool = True) -> dict:
-    """Collective: export a Megatron dist checkpoint (saved at any layout) as an HF checkpoint."""
+    """Collective: export a Megatron dist checkpoint (saved at any layout) as an HF checkpoint.
+
+    Streams: rank 0 reads one HF tensor at a time from the checkpoint files and writes it; the
+    other ranks only contribute their shard boxes (and take part in the logit probe)."""
     import time
 
-    from parallel.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
-    from parallel.layout import build_model_chunks, initialize_megatron
+    from parallel.ckpt_stream import read_hf_tensors, stored_dtype
+    from parallel.dist_ckpt import read_checkpoint_metadata
+    from parallel.hf_io import write_hf_checkpoint
+    from parallel.layout import initialize_megatron
 
     start = time.monotonic()
     metadata = read_checkpoint_metadata(ckpt_dir)
@@ -380,16 +387,20 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
     layout.validate(dist.get_world_size(), hf)
     initialize_megatron(layout)
     _log(f"{ckpt_dir} (saved at {metadata['saved_layout']}) -> {out_dir} via tp={layout.tp} pp={layout.pp}")
-    chunks = build_model_chunks(hf, layout)
-    load_megatron_checkpoint(chunks, ckpt_dir)
-    export_hf_checkpoint(chunks, hf, layout, out_dir, metadata.get("checksums") or {}, ckpt_dir)
+    stream = read_hf_tensors(ckpt_dir, hf, layout)
+    if stream is not None:
+        dtype = stored_dtype(ckpt_dir)
+        specs = {name: (shape, dtype) for name, shape in hf_tensor_shapes(hf).items()}
+        stream = _matching_checksums(stream, metadata.get("checksums") or {}, ckpt_dir)
+        write_hf_checkpoint(out_dir, hf_config_for_export(hf, dtype), stream, specs)
     dist.barrier()
     _log(f"wrote {out_dir} in {time.monotonic() - start:.1f} s")
+    report = {"tensors": len(hf_tensor_shapes(hf)), "conversion_peak_rss_bytes": peak_rss_bytes()}
     if verify:
         HFCheckpoint(out_dir)  # every tensor present with the right shape
-        _log("verified: key coverage and shapes; " + logit_probe(chunks, out_dir))
-    return {"tensors": len(hf_tensor_shapes(hf)), "seconds": time.monotonic() - start,
-            "peak_rss_bytes": peak_rss_bytes()}
+        _log("verified: key coverage and shapes; " + logit_probe(ckpt_dir, layout, out_dir))
+    report.update(seconds=time.monotonic() - start, peak_rss_bytes=peak_rss_bytes())
+    return report
 
 
 def _matching_checksums(stream, recorded: Mapping[str, str], source: str):

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
@@ -39,6 +39,17 @@ def save_megatron_checkpoint(
     """Collective over all ranks: save the model chunks at ``target`` (refused if it exists)."""
     from megatron.core import dist_checkpointing
 
+    return write_megatron_checkpoint(
+        target, hf_config, layout, checksums,
+        lambda directory: dist_checkpointing.save(_sharded_state_dict(chunks), str(directory)))
+
+
+def write_megatron_checkpoint(
+    target: str | Path, hf_config: Mapping[str, Any], layout: MegatronLayout,
+    checksums: Mapping[str, str] | None, write: Callable[[Path], None],
+) -> Path:
+    """Collective: ``write(directory)`` (every rank) the dist checkpoint into a hidden partial
+    directory, add megarl's metadata, and rename it to ``target`` when every rank is done."""
     target = Path(target)
     if target.exists():
         raise CheckpointError(f"{target} already exists; choose a new output directory or remove it")
@@ -47,7 +58,11 @@ def save_megatron_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks), str(partial))
+    try:
+        write(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # a failed save leaves nothing behind
+        raise
     dist.barrier()
     if dist.get_rank() == 0:
         metadata = {

@@ -6,8 +6,10 @@ tensors are read box by box straight from the files (safetensors slices), so a r
 shard never loads the whole tensor, let alone the model.
 
 Writing: tensors are streamed into size-bounded safetensors shards inside a temporary directory
-next to the target, with an index and per-tensor checksums; the directory is renamed into place
-only when complete, so a failed export never leaves a half-written checkpoint.
+next to the target (each file's header is written from the expected shapes first, then every
+tensor as it arrives, so one tensor is in memory at a time), with an index and per-tensor
+checksums; the directory is renamed into place only when complete, so a failed export never
+leaves a half-written checkpoint.
 """
 
 from __future__ import annotations
@@ -15,17 +17,25 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
 from parallel.shards import Box, hf_tensor_shapes
 
 CHECKSUMS_FILE = "megarl_checksums.json"
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class CheckpointError(ValueError):
@@ -55,18 +65,24 @@ class HFCheckpoint:
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"no *.safetensors files in {self.path}; only safetensors checkpoints are supported")
-        self._handles: dict[Path, Any] = {}
         self._file_of: dict[str, Path] = {}
         self._shape_of: dict[str, tuple[int, ...]] = {}
         self._dtype_of: dict[str, str] = {}
+        self._start_of: dict[str, int] = {}  # byte offset of the tensor's data in its file
         for file in files:
             try:
-                with safe_open(str(file), framework="pt") as handle:
+                with safe_open(str(file), framework="pt") as handle:  # validates header and sizes
                     for name in handle.keys():
                         info = handle.get_slice(name)
                         self._file_of[name] = file
                         self._shape_of[name] = tuple(info.get_shape())
                         self._dtype_of[name] = info.get_dtype()
+                with open(file, "rb") as raw:
+                    header_size = int.from_bytes(raw.read(8), "little")
+                    header = json.loads(raw.read(header_size))
+                for name, entry in header.items():
+                    if name != "__metadata__":
+                        self._start_of[name] = 8 + header_size + entry["data_offsets"][0]
             except Exception as error:  # safetensors raises its own error types
                 raise CheckpointError(
                     f"{file} is not a readable safetensors file ({error}); re-download or re-export it"
@@ -101,15 +117,26 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path} does not match its config.json: " + "; ".join(problems))
 
     def read_box(self, name: str, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The ``box`` region of tensor ``name``, read from disk without loading the rest."""
-        from safetensors import safe_open
+        """The ``box`` region of tensor ``name``, read from disk without loading the rest.
 
+        Plain reads of the box's rows (not safetensors' memory map, whose touched pages would
+        stay in this process's resident set and grow it to the checkpoint's size)."""
         if name not in self._file_of:
             raise CheckpointError(f"tensor {name} is not in {self.path}")
-        file = self._file_of[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
-        tensor = self._handles[file].get_slice(name)[tuple(slice(a, b) for a, b in box)]
+        shape, element = self._shape_of[name], _TORCH_DTYPES[self._dtype_of[name]]
+        rows = box[0] if shape else (0, 1)
+        row_bytes = math.prod(shape[1:]) * element.itemsize
+        length = (rows[1] - rows[0]) * row_bytes
+        data = bytearray(length)
+        if length:
+            with open(self._file_of[name], "rb", buffering=0) as handle:
+                handle.seek(self._start_of[name] + rows[0] * row_bytes)
+                if handle.readinto(data) != length:
+                    raise CheckpointError(f"{self._file_of[name]} ends inside tensor {name}; re-download or re-export it")
+        tensor = torch.frombuffer(data, dtype=element) if length else torch.empty(0, dtype=element)
+        tensor = tensor.reshape(rows[1] - rows[0], *shape[1:]) if shape else tensor.reshape(())
+        if shape and any((a, b) != (0, n) for (a, b), n in zip(box[1:], shape[1:])):
+            tensor = tensor[(slice(None), *(slice(a, b) for a, b in box[1:]))].clone()
         return tensor.to(dtype) if dtype is not None else tensor
 
     def read(self, name: str) -> torch.Tensor:
@@ -140,49 +167,75 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def _safetensors_header(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> bytes:
+    """The header of a safetensors file holding ``entries`` back to back, in that order (the
+    format: little-endian u64 header size, JSON header padded with spaces to 8 bytes, data)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
 def write_hf_checkpoint(
     target: str | os.PathLike,
     config: dict[str, Any],
     tensors: Iterable[tuple[str, torch.Tensor]],
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     max_shard_bytes: int = 2 << 30,
 ) -> dict[str, str]:
     """Stream ``(name, tensor)`` pairs into an HF checkpoint at ``target`` (atomically).
 
-    At most one shard (``max_shard_bytes``) is held in memory. Returns name -> checksum, which is
-    also written to ``megarl_checksums.json`` inside the checkpoint.
+    ``specs`` (name -> (shape, dtype), in the order the stream yields them) fixes every
+    safetensors header before any data arrives, so each tensor goes to disk as it comes: at most
+    one tensor is held, whatever ``max_shard_bytes`` is. A tensor out of order or with another
+    shape or dtype fails the write. Returns name -> checksum, which is also written to
+    ``megarl_checksums.json`` inside the checkpoint.
     """
-    from safetensors.torch import save_file
-
+    shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+    shard_bytes = 0
+    for name, (shape, dtype) in specs.items():
+        size = math.prod(shape) * dtype.itemsize
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((name, tuple(shape), dtype))
+        shard_bytes += size
+    files = (["model.safetensors"] if len(shards) == 1
+             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    expected = iter([(file, entry) for file, shard in zip(files, shards) for entry in shard])
     checksums: dict[str, str] = {}
-    weight_map: dict[str, str] = {}
     with atomic_directory(target) as tmp:
-        shard: dict[str, torch.Tensor] = {}
-        shard_bytes, shard_files, total_bytes = 0, [], 0
-
-        def flush():
-            nonlocal shard, shard_bytes
-            if shard:
-                name = f"model-{len(shard_files) + 1:05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata={"format": "pt"})
-                shard_files.append(name)
-                for key in shard:
-                    weight_map[key] = name
-                shard, shard_bytes = {}, 0
-
-        for name, tensor in tensors:
-            tensor = tensor.detach().contiguous().cpu()
-            size = tensor.numel() * tensor.element_size()
-            if shard and shard_bytes + size > max_shard_bytes:
-                flush()
-            shard[name] = tensor
-            shard_bytes += size
-            total_bytes += size
-            checksums[name] = tensor_checksum(tensor)
-        flush()
-        if len(shard_files) == 1:
-            os.rename(tmp / shard_files[0], tmp / "model.safetensors")
-        else:
-            index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        handle, current = None, None
+        try:
+            for name, tensor in tensors:
+                file, (want_name, shape, dtype) = next(expected, (None, (None, None, None)))
+                tensor = tensor.detach().contiguous().cpu()
+                if name != want_name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                    raise CheckpointError(f"export stream gave {name} {list(tensor.shape)} {tensor.dtype}, expected "
+                                          f"{want_name} {list(shape or ())} {dtype} next")
+                if file != current:
+                    if handle is not None:
+                        handle.close()
+                    handle, current = open(tmp / file, "wb"), file
+                    handle.write(_safetensors_header(shards[files.index(file)]))
+                if tensor.numel():
+                    handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+                checksums[name] = tensor_checksum(tensor)
+        finally:
+            if handle is not None:
+                handle.close()
+        missing = [name for name in specs if name not in checksums]
+        if missing:
+            raise CheckpointError(f"export stream ended before {missing[:5]} ({len(missing)} tensors)")
+        if len(files) > 1:
+            weight_map = {name: file for file, shard in zip(files, shards) for name, _, _ in shard}
+            total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=1, sort_keys=True))

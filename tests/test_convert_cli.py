@@ -142,7 +142,8 @@ def test_failed_write_leaves_nothing(tmp_path):
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        write_hf_checkpoint(tmp_path / "out", {"model_type": "llama"}, tensors())
+        write_hf_checkpoint(tmp_path / "out", {"model_type": "llama"}, tensors(),
+                            {"a": ((3,), torch.float32), "b": ((2,), torch.float32)})
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(CheckpointError, match="already exists"):
         with atomic_directory(tmp_path):

@@ -159,7 +159,7 @@ def test_dry_runs_of_70b_scripts(script, tmp_path):
     assert result.returncode == 0, out + result.stderr
     assert "tp=8 pp=4" in out and "== the job would run" in out and "sbatch" in out
     if script.startswith("convert"):
-        assert "16.9 GiB per rank" in out
+        assert "1.4 GiB per rank" in out and "rank 0 of megatron-to-hf 5.3 GiB" in out
         assert "srun --nodes=4 --ntasks-per-node=8" in out and "megarl convert hf-to-megatron" in out
     else:
         assert "verdict: fits in memory" in out and "GiB" in out and "rollout" in out

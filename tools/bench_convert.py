@@ -10,10 +10,12 @@ One run builds the preset as an HF safetensors checkpoint in a temporary directo
 2. megarl convert, the CLI path (``run_on_ranks(conversion_on_rank, ...)`` as ``megarl convert``
    runs it), HF -> Megatron and Megatron -> HF, with verification and with ``--no-verify``.
    ``wall s`` includes spawning the ranks and their imports; ``rank s`` is the job itself (the
-   report's ``seconds``: open + validate the checkpoint, process groups, build the model, load,
-   check every tensor against the source, save the dist checkpoint [, read back + logit probe]).
+   report's ``seconds``: open + validate the checkpoint, process groups, meta model, checksums of
+   the source, the streamed write [, read back + logit probe, which builds the model]).
    GB/s = HF checkpoint bytes / rank s; ``x copy`` = that throughput / the copy's.
-   Peak RSS is the largest rank's (``ru_maxrss``), also as a multiple of the checkpoint's bytes.
+   Peak RSS is the largest rank's (``ru_maxrss``) when the conversion is done (``conv``) and at
+   the end (``all``: with verification, the logit probe builds the model and HF transformers'),
+   also as a multiple of the checkpoint's bytes.
 3. megarl vs mbridge (``mbridge==0.15.1``, requirements/dev.txt) doing the same work in the same
    ranks, threads and layout, on Megatron chunks both already built (building excluded):
    ``load``: HF safetensors -> the chunks' parameters (megarl: open + validate the checkpoint,
@@ -259,14 +261,16 @@ def main(argv=None) -> int:
     print(f"file copy (shutil.copyfile, warm cache, min of {max(3, args.repeats)}): {copy_s:.3f} s = {copy_gbps:.2f} GB/s")
     print()
     print("megarl convert (CLI path)")
-    header = f"{'direction':<16}{'tp':>3}{'verify':>7}{'wall s':>8}{'rank s':>8}{'GB/s':>7}{'x copy':>8}{'peak RSS MB':>13}{'RSS/model':>10}"
+    header = (f"{'direction':<16}{'tp':>3}{'verify':>7}{'wall s':>8}{'rank s':>8}{'GB/s':>7}{'x copy':>8}"
+              f"{'RSS conv MB':>12}{'/model':>7}{'RSS all MB':>11}{'/model':>7}")
     print(header)
     print("-" * len(header))
     for direction, tp, verify, row in cli_rows:
         gbps = gb / row["seconds"]
         print(f"{direction:<16}{tp:>3}{'yes' if verify else 'no':>7}{row['wall']:>8.1f}{row['seconds']:>8.2f}"
-              f"{gbps:>7.2f}{gbps / copy_gbps:>8.3f}{row['peak_rss_bytes'] / 1e6:>13.0f}"
-              f"{row['peak_rss_bytes'] / ckpt_bytes:>10.2f}")
+              f"{gbps:>7.2f}{gbps / copy_gbps:>8.3f}{row['conversion_peak_rss_bytes'] / 1e6:>12.0f}"
+              f"{row['conversion_peak_rss_bytes'] / ckpt_bytes:>7.2f}{row['peak_rss_bytes'] / 1e6:>11.0f}"
+              f"{row['peak_rss_bytes'] / ckpt_bytes:>7.2f}")
     if mem_rows:
         print()
         print("megarl vs mbridge, same ranks/threads/layout, chunks already built (imports and model build excluded)")
