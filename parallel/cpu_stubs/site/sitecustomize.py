@@ -5,7 +5,8 @@ their first import). Two independent hooks, each off unless its variable is "1":
 ``MEGARL_CPU_STUBS``
     install megarl's CPU import stubs (CPU engines only; see ``parallel/cpu_stubs/__init__.py``).
 ``MEGARL_SGLANG_SCHEDULER_PATCH``
-    add ``Scheduler.megarl_reseed`` to SGLang's scheduler when it is imported (every device; see
+    add ``Scheduler.megarl_reseed`` to SGLang's scheduler and batch the torch-native decode attention
+    when they are imported (every device; see
     ``megarl.rollout.sglang_engine.install_scheduler_patch``).
 
 Then the next ``sitecustomize`` on ``sys.path`` (one this file shadows, e.g. a distribution's)
