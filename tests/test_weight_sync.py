@@ -65,3 +65,24 @@ def test_synced_engine_generates_like_hf_with_trained_weights(trained, rollout_t
                 engine.update_weights_direct([{}, corrupted])
             with pytest.raises(WeightSyncError, match="TP rank 1 holds model.layers.1.mlp.down_proj.weight"):
                 check_parity(engine, expected)
+
+
+def test_shards_survive_the_ray_transport_packing():
+    """Every dtype and shape (bfloat16 has no numpy type; a 0-d tensor has no last dim) comes back
+    bit-identical from a real Ray hop between two processes."""
+    import ray
+
+    from megarl.rollout.weight_sync import shards_for_transport, shards_from_transport
+
+    tensors = {"bf16": torch.randn(3, 4).to(torch.bfloat16), "f32": torch.randn(5, 2), "i64": torch.arange(4),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    try:
+        echoed = ray.get(ray.remote(lambda packed: packed).remote(shards_for_transport(tensors)))
+    finally:
+        ray.shutdown()
+    back = shards_from_transport(echoed)
+    assert list(back) == list(tensors)
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape, name
+        assert torch.equal(back[name], tensor), name

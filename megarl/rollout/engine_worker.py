@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from megarl.rollout.sglang_engine import SGLangEngine
-from megarl.rollout.weight_sync import sync_weights
+from megarl.rollout.weight_sync import shards_from_transport, sync_weights
 
 
 class RolloutWorker:
@@ -31,13 +31,14 @@ class RolloutWorker:
         self._stale_prefix_cache = False
         return self.engine.generate(prompts, sampling_params, return_logprob=True)
 
-    def update_weights(self, *per_rank: dict[str, torch.Tensor] | None) -> dict[str, float]:
-        """Copy each engine rank's shards (argument r = rank r) in place and verify checksums."""
+    def update_weights(self, *per_rank: dict[str, tuple] | None) -> dict[str, float]:
+        """Copy each engine rank's shards (argument r = rank r, as ``shards_for_transport`` packs
+        them) in place and verify checksums."""
         if any(tensors is None for tensors in per_rank):
             raise ValueError("weight sync: an engine rank received no shards (the plan's destinations "
                              "and the engine's ranks disagree)")
         self._stale_prefix_cache = True  # flushed by the next generate (cheaply, when it re-seeds)
-        return sync_weights(self.engine, list(per_rank), flush_cache=False)
+        return sync_weights(self.engine, [shards_from_transport(packed) for packed in per_rank], flush_cache=False)
 
     def release_memory(self) -> None:
         if self.engine.device != "cpu":

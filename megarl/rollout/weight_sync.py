@@ -28,6 +28,24 @@ def shard_checksums(per_rank: Sequence[Mapping[str, torch.Tensor]]) -> list[dict
     return [{name: sglang_tensor_checksum(tensor) for name, tensor in tensors.items()} for tensors in per_rank]
 
 
+def shards_for_transport(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
+    """``{name: tensor}`` as ``{name: (bytes as a numpy array, dtype name, shape)}`` for a Ray hop:
+    Ray hands numpy arrays to the reader straight from its object store, while torch tensors are
+    pickled on both sides (88 MB: 0.14 s against 1.0 s here). Any dtype (bfloat16 has no numpy type)."""
+    return {name: (t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."),
+                   tuple(t.shape)) for name, t in tensors.items()}
+
+
+def shards_from_transport(packed: Mapping[str, tuple]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`shards_for_transport` (read-only views of the received arrays)."""
+    import warnings
+
+    with warnings.catch_warnings():  # Ray's arrays are read-only; these tensors are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return {name: torch.from_numpy(data).view(getattr(torch, dtype)).view(shape)
+                for name, (data, dtype, shape) in packed.items()}
+
+
 def check_parity(engine: SGLangEngine, expected: Sequence[Mapping[str, str]] | concurrent.futures.Future) -> None:
     """Raise WeightSyncError unless every expected parameter of every engine rank has the
     expected checksum (``expected`` may still be being computed: a Future of it). (That a full

@@ -355,11 +355,13 @@ class MegatronWorker:
 
     # ------------------------------------------------------------------ weight sync
 
-    def rollout_shards(self, plan) -> dict[str, torch.Tensor] | None:
+    def rollout_shards(self, plan) -> dict[str, tuple] | None:
         """Run this rank's part of the actor -> SGLang resharding ``plan``; returns the SGLang
-        tensors of the engine rank that lives on this device (None if none does)."""
+        tensors of the engine rank assembled on this device (None if none is), packed for Ray
+        (``megarl.rollout.weight_sync.shards_for_transport``)."""
         import torch.distributed as dist
 
+        from megarl.rollout.weight_sync import shards_for_transport
         from parallel.plan import execute_plan
 
         device = dist.get_rank()
@@ -369,7 +371,7 @@ class MegatronWorker:
         dtype = next(iter(sources.values())).dtype
         buffers = {name: torch.empty(t.shape, dtype=dtype) for name, t in wanted.items()}
         execute_plan(plan, device, sources, buffers)
-        return buffers or None
+        return shards_for_transport(buffers) if buffers else None
 
     # ------------------------------------------------------------------ checkpoints
 
