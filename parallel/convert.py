@@ -283,10 +283,17 @@ def _log(message: str) -> None:
 
 
 def peak_rss_bytes() -> int:
-    """Largest resident set of any rank so far (collective)."""
+    """Largest resident set of any rank so far (collective). The high-water mark of this
+    process's own memory (VmHWM): ``ru_maxrss`` survives exec, so a spawned rank would report
+    at least its parent's resident set at the fork."""
     import resource
 
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+    try:
+        with open("/proc/self/status") as status:
+            own = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.tensor([own], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak.item())
 
