@@ -2,8 +2,9 @@
 tensor: the checks every conversion runs, usable on their own (``megarl verify``).
 
 Each side is read as a stream of full HF-named tensors (an HF checkpoint from its files, a
-Megatron checkpoint loaded at the verification layout and gathered one tensor at a time), so the
-comparison holds at most one tensor per side in memory. Reported: configs that differ, tensors
+Megatron checkpoint from its files through ``parallel.ckpt_stream``), so the comparison holds at
+most one tensor per side in memory; only the logits build the model (megatron's own load at the
+verification layout). Reported: configs that differ, tensors
 missing on either side, tensors that differ (with their max abs difference), recorded checksums
 that no longer match the data, and the max logit difference on a fixed prompt.
 """
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.convert import PROBE_TOKENS, gather_hf_tensors, prompt_logits
+from parallel.ckpt_stream import read_hf_tensors
+from parallel.convert import PROBE_TOKENS, prompt_logits
 from parallel.dist_ckpt import METADATA_FILE, load_megatron_checkpoint, read_checkpoint_metadata
 from parallel.hf_io import CHECKSUMS_FILE, CheckpointError, HFCheckpoint, tensor_checksum
 from parallel.layout import MegatronLayout, build_model_chunks
@@ -36,8 +38,6 @@ class _Side:
         if self.is_megatron:
             metadata = read_checkpoint_metadata(self.path)
             self.config, self.recorded = metadata["hf_config"], metadata.get("checksums") or {}
-            self.chunks = build_model_chunks(self.config, layout)
-            load_megatron_checkpoint(self.chunks, self.path)
             self.layout = layout
         else:
             self.hf = HFCheckpoint(self.path)
@@ -46,16 +46,19 @@ class _Side:
             self.recorded = json.loads(file.read_text()) if file.is_file() else {}
 
     def tensors(self):
-        if self.is_megatron:
-            yield from gather_hf_tensors(self.chunks, self.config, self.layout)
+        if self.is_megatron:  # streamed from the files, one tensor at a time (collective)
+            stream = read_hf_tensors(self.path, self.config, self.layout)
+            yield from stream if stream is not None else ((name, None) for name in hf_tensor_shapes(self.config))
         else:
             for name in hf_tensor_shapes(self.config):
                 yield name, self.hf.read(name) if dist.get_rank() == 0 else None
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Logits on ``tokens`` on the last rank (None elsewhere)."""
-        if self.is_megatron:
-            logits = prompt_logits(self.chunks, tokens)
+        if self.is_megatron:  # megatron's own load into this layout's model
+            chunks = build_model_chunks(self.config, self.layout)
+            load_megatron_checkpoint(chunks, self.path)
+            logits = prompt_logits(chunks, tokens)
             return None if logits is None else logits[..., : self.config["vocab_size"]].float()
         if dist.get_rank() != dist.get_world_size() - 1:
             return None
