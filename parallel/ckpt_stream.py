@@ -243,24 +243,32 @@ class _BoxLoadPlanner:
         raise CheckpointError(f"{read_item.dest_index.fqn}: expected a tensor, the checkpoint holds bytes")
 
 
-def read_hf_tensors(directory: str | Path, hf: Mapping[str, Any], layout: MegatronLayout
+def read_hf_tensors(directory: str | Path, hf: Mapping[str, Any], layout: MegatronLayout, shared: bool = False
                     ) -> Iterator[tuple[str, torch.Tensor]] | None:
-    """Collective (every rank builds its meta chunks and sends its shard boxes to rank 0): on
-    rank 0, an iterator of (name, full HF tensor) in checkpoint order, read from the megatron
-    checkpoint at ``directory`` (saved at any layout); None on other ranks. ``layout`` is the
+    """Collective (every rank builds its meta chunks and contributes its shard boxes): an
+    iterator of (name, full HF tensor) in checkpoint order, read from the megatron checkpoint at
+    ``directory`` (saved at any layout): every tensor on rank 0 and None elsewhere, or with
+    ``shared`` every rank its share of the tensors (``names[rank::world]``). ``layout`` is the
     layout of this process group; it only decides how the boxes are computed."""
+    from parallel.shards import hf_tensor_shapes
+
     _, boxes = sharded_state_dict_with_boxes(meta_chunks(hf, layout), hf, layout)
     mine = [(e.key, e.prepend, e.global_box(), hf_name, src, dst)
             for e in boxes.values() if e.main_replica for hf_name, src, dst in e.links if hf_name is not None]
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if dist.get_rank() != 0:
-        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gathered = [None] * world
+    if shared:
+        dist.all_gather_object(gathered, mine)
+    else:
+        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+        if rank != 0:
+            return None
     by_name: dict[str, list] = {}
     for rank_links in gathered:
         for key, prepend, global_box, hf_name, src, dst in rank_links:
             by_name.setdefault(hf_name, []).append((key, prepend, global_box, src, dst))
-    return _read_tensors(Path(directory), hf, by_name)
+    names = list(hf_tensor_shapes(hf))
+    return _read_tensors(Path(directory), hf, by_name, names[rank::world] if shared else names)
 
 
 def stored_dtype(directory: str | Path) -> torch.dtype:
@@ -272,7 +280,7 @@ def stored_dtype(directory: str | Path) -> torch.dtype:
     return next(md.properties.dtype for md in stored if isinstance(md, TensorStorageMetadata))
 
 
-def _read_tensors(directory: Path, hf: Mapping[str, Any], by_name: dict[str, list]):
+def _read_tensors(directory: Path, hf: Mapping[str, Any], by_name: dict[str, list], names: list[str]):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
@@ -284,7 +292,9 @@ def _read_tensors(directory: Path, hf: Mapping[str, Any], by_name: dict[str, lis
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     stored = metadata.state_dict_metadata
-    for name, shape in hf_tensor_shapes(hf).items():
+    shapes = hf_tensor_shapes(hf)
+    for name in names:
+        shape = shapes[name]
         links = by_name.get(name, [])
         dtype = stored[links[0][0]].properties.dtype if links and links[0][0] in stored else torch.float32
         full = torch.empty(shape, dtype=dtype)

@@ -356,14 +356,21 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
     initialize_megatron(layout)
     _log(f"{hf_dir} -> {out_dir} at tp={layout.tp} pp={layout.pp} vpp={layout.vpp} on {dist.get_world_size()} rank(s)")
     names = list(hf_tensor_shapes(ckpt.config))
-    checksums = ({name: tensor_checksum(ckpt.read(name).to(PARAMS_DTYPE)) for name in names}
-                 if dist.get_rank() == 0 else {})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shares = [None] * world  # the source's checksums, each rank a share of the tensors
+    dist.all_gather_object(shares, {name: tensor_checksum(ckpt.read(name).to(PARAMS_DTYPE))
+                                    for name in names[rank::world]})
+    checksums = {name: share[name] for share in shares for name in share}
+    checksums = {name: checksums[name] for name in names}
 
     def write(directory):
         save_streamed(ckpt, layout, directory)
         if verify:  # before the rename: a checkpoint that does not read back is never put in place
-            stream = read_hf_tensors(directory, ckpt.config, layout)
-            bad = [name for name, tensor in stream or () if tensor_checksum(tensor) != checksums[name]]
+            stream = read_hf_tensors(directory, ckpt.config, layout, shared=True)
+            bad = [name for name, tensor in stream if tensor_checksum(tensor) != checksums[name]]
+            every = [None] * world
+            dist.all_gather_object(every, bad)
+            bad = sorted(name for share in every for name in share)
             if bad:
                 raise CheckpointError(f"{out_dir}: tensors read back differ from the source: {bad[:5]}")
 
