@@ -1,7 +1,7 @@
 """The dry run of a launch: what a run config asks of a cluster, before any node is allocated.
 
 ``megarl plan <config> [overrides] [--gpu-memory-gib N]`` loads and validates the config, then
-states per role (actor, reference, critic, rollout) its pool, world, layout and data-parallel
+states per role (actor, reference, critic, reward model, rollout) its pool, world, layout and data-parallel
 size, and the per-GPU memory (``parallel.memory``) of each role and of each pool over the phases
 of a step, against a per-GPU budget, with a verdict. The sbatch scripts in ``launch_scripts/``
 run it first (and only it, with ``--dry-run``), so a layout that cannot work or memory that
@@ -10,7 +10,7 @@ cannot fit fails on a laptop rather than after the queue.
 Phases of a pool (what is on a GPU at the same time):
 
 * resident: the states of every role on the pool: the actor's and critic's parameters,
-  fp32 gradients and Adam states, the reference's parameters. megarl keeps them on the GPU for
+  fp32 gradients and Adam states, the reference's and reward model's parameters. megarl keeps them on the GPU for
   the whole run (no offloading).
 * generate: resident + SGLang's static reservation (colocated rollout).
 * <role> update / forward: resident + that role's activations (and logits) + SGLang's
@@ -25,8 +25,7 @@ after the colocated Megatron workers have built their models and optimizers.
 Each role contributes its own busiest rank (the first pipeline stage for a trained model: most
 activations in flight; the last for a forward-only one: the logits), and a pool adds them up as
 if they were on one GPU: conservative by at most the embedding/output-layer shard and the logits.
-The plan follows the config's pools; note that ``megarl train`` today places the Megatron
-workers on every rank of the cluster (separate rollout pools are planned, not yet honoured).
+The plan follows the config's pools, as ``megarl train`` places its workers.
 """
 
 from __future__ import annotations
@@ -148,15 +147,18 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
         trained.append(("ref", False))
     if cfg.critic.enabled:
         trained.append(("critic", True))
+    if cfg.reward_model.enabled:
+        trained.append(("reward_model", False))
     for role, trainable in trained:
         layout = cfg.layout_for(role)
         world = cfg.world_size_for(role)
         dp = world // (layout.tp * layout.pp * layout.cp)
-        model_hf = model_hf_config(cfg.critic.model_path) if role == "critic" and cfg.critic.model_path else hf
+        own_model = getattr(getattr(cfg, role), "model_path", None)
+        model_hf = model_hf_config(own_model) if own_model else hf
         tokens, micro, text = _micro_batching(cfg, role, dp, seq)
         estimate = training_memory(model_hf, layout, dp=dp, dtype=dtype, tokens_per_micro_batch=tokens,
-                                   micro_batches=micro, trainable=trainable, value_head=role == "critic",
-                                   recompute=recompute, role=role)
+                                   micro_batches=micro, trainable=trainable,
+                                   value_head=role in ("critic", "reward_model"), recompute=recompute, role=role)
         roles.append(RolePlan(role, cfg.pool_for(role), world, _layout_text(layout), dp, text, memory=estimate))
 
     # Pools: resident training states first (SGLang sizes itself from what is left).

@@ -94,7 +94,8 @@ def weight_sync_rounds(cfg: RunConfig, hf_config: dict) -> list[tuple[dict[int, 
 
 def megatron_roles(cfg: RunConfig) -> list[str]:
     """The Megatron models a run builds, in setup order."""
-    return ["actor"] + (["ref"] if cfg.needs_reference else []) + (["critic"] if cfg.critic.enabled else [])
+    return (["actor"] + (["ref"] if cfg.needs_reference else []) + (["critic"] if cfg.critic.enabled else [])
+            + (["reward_model"] if cfg.reward_model.enabled else []))
 
 
 def worker_groups(cfg: RunConfig) -> dict[str, list[str]]:
@@ -258,6 +259,10 @@ class Trainer:
                                    cfg.trainer.total_steps * c.ppo_epochs * self._minibatches_per_step(c.mini_batch_size),
                                    LossSettings(loss_agg_mode=c.loss_agg_mode, value_clip=c.value_clip,
                                                 max_len=cfg.rollout.max_new_tokens), cfg.model.dtype))
+        if cfg.reward_model.enabled:
+            rm = cfg.reward_model
+            specs.append(ModelSpec("reward_model", rm.model_path, cfg.layout_for("reward_model").to_megatron(),
+                                   MicroBatching(rm.micro_batch_size, packed=packed), dtype=cfg.model.dtype))
         ray.get([w.setup.remote(spec, cfg.trainer.seed) for spec in specs for w in self.role_workers[spec.role]])
 
     def _minibatches_per_step(self, mini_batch_size: int | None) -> int:
@@ -344,6 +349,12 @@ class Trainer:
         }
 
     def score(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """One score per sample: the reward model's output at the sample's last token when
+        ``reward_model.enabled``, else the data source's reward function."""
+        if self.cfg.reward_model.enabled:
+            values = self.forward(batch, {"score": ("reward_model", "values")})["score"]
+            last = (batch["response_lengths"] - 1).clamp(min=0)
+            return values[torch.arange(len(last)), last].float(), {}
         scores, stats = self.rewards(batch["data_source"], batch["responses"], batch["ground_truth"],
                                      batch["extra_info"])
         return scores.float(), stats
@@ -450,6 +461,23 @@ class Trainer:
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True
         self.log("megarl: SIGTERM received: finishing this step, then saving a checkpoint")
+
+    def save_rollouts(self, batch: dict, scores: torch.Tensor, step: int) -> Path:
+        """This step's samples as ``rollouts/step_<k>.jsonl``: one line per sample with its prompt
+        and response token ids, the response text, its score and advantage at the first token."""
+        target = self.out / "rollouts" / f"step_{step:06d}.jsonl"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lines = []
+        for i, text in enumerate(batch["responses"]):
+            prompt, response = int(batch["prompt_lengths"][i]), int(batch["response_lengths"][i])
+            ids = batch["input_ids"][i].tolist()
+            lines.append(json.dumps({"uid": batch["uid"][i], "prompt_ids": ids[:prompt],
+                                     "response_ids": ids[prompt:prompt + response], "response": text,
+                                     "score": float(scores[i]), "advantage": float(batch["advantages"][i, 0])}))
+        partial = target.with_suffix(".partial")
+        partial.write_text("\n".join(lines) + "\n")
+        partial.rename(target)
+        return target
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -624,6 +652,8 @@ def rl_step(t: Trainer) -> dict[str, float]:
         with timed("forward"):
             batch.update(t.forward(batch, wanted))
     t.advantages(batch, scores, metrics)
+    if t.cfg.trainer.save_rollouts_every and (t.step + 1) % t.cfg.trainer.save_rollouts_every == 0:
+        t.save_rollouts(batch, scores, t.step + 1)
     with timed("update"):
         metrics.update(t.update(batch))
     with timed("sync"):

@@ -31,6 +31,17 @@ class UnsupportedModelError(ValueError):
     """The HF model (architecture or a config field) is not something megarl can represent."""
 
 
+CLASSIFIER_HEAD = "score.weight"  # what an HF *ForSequenceClassification checkpoint has instead of lm_head
+
+
+def classifier_labels(hf: Mapping[str, Any]) -> int | None:
+    """Number of labels of an HF sequence-classification config (a reward model: 1), None for a
+    causal LM."""
+    if not any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
+        return None
+    return len(hf.get("id2label") or {0: None})
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
     """Megatron's vocab padding: round up to a multiple of ``divisible_by * TP``."""
     multiple = divisible_by * tensor_parallel_size

@@ -88,16 +88,19 @@ def make_hf_config(preset: str, **overrides: Any):
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
-def save_tiny_hf_model(preset: str, path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
-    """Build a randomly initialised HF causal LM for a preset and save it (safetensors + config.json).
+def save_tiny_hf_model(preset: str, path: str | os.PathLike, seed: int = 0, reward_model: bool = False,
+                       **overrides: Any) -> str:
+    """Build a randomly initialised HF causal LM for a preset and save it (safetensors + config.json);
+    with ``reward_model``, the preset's ``*ForSequenceClassification`` with one label instead.
 
     Biases and norm weights are randomised too, so a converter that drops or misplaces one is caught.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    config = make_hf_config(preset, **overrides)
+    config = make_hf_config(preset, **({"num_labels": 1} if reward_model else {}), **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

@@ -98,8 +98,15 @@ class HFCheckpoint:
         return self._shape_of[name]
 
     def check_against_config(self) -> None:
-        """Every expected tensor present with the expected shape; no unexpected tensor."""
+        """Every expected tensor present with the expected shape; no unexpected tensor. A
+        sequence-classification checkpoint (a reward model) has a score head instead of lm_head."""
+        from model_specs import CLASSIFIER_HEAD, classifier_labels
+
         expected = hf_tensor_shapes(self.config)
+        labels = classifier_labels(self.config)
+        if labels is not None:
+            expected.pop("lm_head.weight", None)
+            expected[CLASSIFIER_HEAD] = (labels, self.config["hidden_size"])
         missing = sorted(set(expected) - set(self._shape_of))
         extra = sorted(set(self._shape_of) - set(expected))
         # Tied models may still store lm_head (a copy of the embedding); tolerate exactly that.

@@ -46,7 +46,7 @@ from typing import Any, Mapping
 
 import torch
 
-from parallel.hf_io import HFCheckpoint
+from parallel.hf_io import CheckpointError, HFCheckpoint
 from parallel.layout import MegatronLayout, build_model_chunks, unwrap_model
 
 HEAD_CHECKPOINT_SUFFIX = "value_head_weight"
@@ -148,9 +148,11 @@ def init_value_head(chunks: list, seed: int = 0, std: float = 0.02) -> None:
 
 def load_hf_into_value_chunks(chunks: list, ckpt: HFCheckpoint, layout: MegatronLayout,
                               head_seed: int = 0, head_std: float | None = None) -> None:
-    """Fill this rank's critic chunks from an HF causal-LM checkpoint (the policy's): every
-    embedding/transformer/norm weight as ``load_hf_into_chunks`` would, lm_head skipped, and the
-    value head re-initialised by ``init_value_head`` (a fresh critic on top of the policy)."""
+    """Fill this rank's value chunks from an HF checkpoint: every embedding/transformer/norm weight
+    as ``load_hf_into_chunks`` would; then the head: from a sequence-classification checkpoint
+    with one label (a reward model) its ``score.weight``, from a causal LM (the policy's, for a
+    fresh critic) lm_head is skipped and the head re-initialised by ``init_value_head``."""
+    from model_specs import CLASSIFIER_HEAD, classifier_labels
     from parallel.convert import _check_names, fill_local_tensor, this_megatron_rank
     from parallel.shards import megatron_shards
 
@@ -163,6 +165,13 @@ def load_hf_into_value_chunks(chunks: list, ckpt: HFCheckpoint, layout: Megatron
             _check_names(index, set(params), set(tensors))
             for name, param in params.items():
                 fill_local_tensor(param.data, tensors[name], ckpt)
+        labels = classifier_labels(ckpt.config)
+        if labels is not None:
+            if labels != 1:
+                raise CheckpointError(f"{ckpt.path}: a value head scores one label, this classifier has {labels}")
+            for head in value_heads(chunks):
+                head.weight.copy_(ckpt.read(CLASSIFIER_HEAD))
+            return
     std = ckpt.config.get("initializer_range", 0.02) if head_std is None else head_std
     init_value_head(chunks, head_seed, std)
 

@@ -382,6 +382,21 @@ def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_b
     return {"ref": ref, "metrics": metrics, "after": after}
 
 
+def worker_reward_values(rm_dir, layout_kwargs, batch, micro_batch_size, packed=False):
+    """A MegatronWorker running a reward model at a layout: its per-response-token values of
+    ``batch`` (the score of a sample is the value at its last token)."""
+    from megarl.workers.batch import MicroBatching
+    from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
+    from parallel.layout import MegatronLayout
+
+    worker = MegatronWorker()
+    worker.setup(ModelSpec("reward_model", rm_dir, MegatronLayout(**layout_kwargs),
+                           MicroBatching(micro_batch_size=micro_batch_size, packed=packed)), seed=7)
+    values = worker.forward("reward_model", batch)
+    worker.shutdown()
+    return values
+
+
 def packed_oracle_tp1(lengths, seed):
     """The single-rank checks in one process (megatron's import dominates a rank's start-up)."""
     return {"logprobs": packed_logprobs([{}], lengths, seed)[0], "grads": packed_loss_grads(lengths, seed + 1)}

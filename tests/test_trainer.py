@@ -5,6 +5,7 @@
 - resume: a driver SIGKILLed after its step-2 checkpoint, resumed, gives the same steps 3-4 as an
   uninterrupted run, and no process of the killed run survives;
 - pools: engines and reference on ranks of their own give the same steps as colocated ones;
+- a reward model (on its own pool) scores every sample as HF's sequence classifier does;
 - PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
   a SIGTERM makes the driver finish its step, save a checkpoint and exit with status 143;
 - a broken config or a missing dataset fails before Ray starts, with one clear message.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MEGARL = [sys.executable, "-m", "megarl.cli", "train", str(ROOT / "configs/quickstart_grpo.yaml")]
@@ -210,6 +212,34 @@ def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_
     recent_reward = sum(m["reward/mean"] for m in steps[-3:]) / 3
     assert abs(steps[-1]["critic/vpred_mean"] - recent_reward) < 0.2, (steps[-1], recent_reward)
     assert all(m["actor/update_ok"] == 1.0 for m in steps)
+
+
+def test_reward_model_on_its_own_pool_scores_like_hf(prompts, tmp_path):
+    """GRPO scored by a reward model (an HF sequence classifier, here at PP=2 on 2 ranks of its
+    own): every saved sample's score equals HF transformers' classifier logit of its prompt +
+    response, and the step's reward/mean is their mean."""
+    from transformers import AutoModelForSequenceClassification
+
+    from model_specs.presets import save_tiny_hf_model
+
+    rm_dir = save_tiny_hf_model("tiny-qwen2", tmp_path / "rm", seed=9, reward_model=True, pad_token_id=0)
+    out = tmp_path / "rm_run"
+    settings = {"trainer.total_steps": 2, "trainer.save_every": 0, "data.batch_size": 4, "rollout.n": 4,
+                "cluster.cpu_ranks_per_node": 4, "cluster.pools": "{train: 2, scoring: 2}", "actor.pool": "train",
+                "reward_model.enabled": "true", "reward_model.model_path": rm_dir, "reward_model.pool": "scoring",
+                "reward_model.layout.pp": 2, "reward_model.micro_batch_size": 2, "trainer.save_rollouts_every": 1}
+    code, output = _run(_overrides(prompts, out, **settings) + ["--no-export"])
+    assert code == 0, output[-3000:]
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+    metrics = {m["step"]: m for m in _metrics(out)}
+    for step in (1, 2):
+        samples = [json.loads(line) for line in (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert len(samples) == 16
+        with torch.no_grad():
+            want = [float(model(torch.tensor([s["prompt_ids"] + s["response_ids"]])).logits[0, 0]) for s in samples]
+        assert [s["score"] for s in samples] == pytest.approx(want, abs=2e-5), step
+        assert metrics[step]["reward/mean"] == pytest.approx(sum(want) / len(want), abs=1e-5)
+    assert len(set(round(w, 6) for w in want)) > 1  # the scores are not all the same
 
 
 def test_broken_config_and_missing_data_fail_before_ray(prompts, tmp_path):

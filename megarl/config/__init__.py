@@ -42,6 +42,7 @@ from megarl.config.schema import (
     OptimSettings,
     OverlongPenaltyConfig,
     RefConfig,
+    RewardModelConfig,
     RewardConfig,
     RolloutConfig,
     RunConfig,
@@ -59,7 +60,7 @@ def validate_config(config: RunConfig, *, check_files: bool = True) -> None:
 __all__ = [
     "CONFIGS_DIR", "RESOLVED_NAME", "ActorConfig", "AlgorithmConfig", "ClusterConfig", "ConfigError",
     "CriticConfig", "DataConfig", "DynamicSamplingConfig", "KLLossConfig", "KLPenaltyConfig", "LayoutConfig",
-    "ModelConfig", "OptimSettings", "OverlongPenaltyConfig", "RefConfig", "RewardConfig", "RolloutConfig",
+    "ModelConfig", "OptimSettings", "OverlongPenaltyConfig", "RefConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
     "RunConfig", "TrainerConfig", "apply_override", "compose", "deep_merge", "from_dict", "load_config",
     "parse_value", "save_resolved", "to_dict", "to_yaml", "validate_config",
 ]

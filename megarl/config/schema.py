@@ -147,6 +147,19 @@ class RefConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A learned reward model: an HF ``*ForSequenceClassification`` checkpoint with one label
+    (``score.weight``), run frozen by Megatron workers; a sample's score is its output at the last
+    response token. When enabled it replaces the reward functions."""
+
+    enabled: bool = False
+    model_path: str | None = None  # required when enabled; same tokenizer (vocabulary) as the policy
+    pool: str | None = None  # null = actor.pool
+    layout: LayoutConfig | None = None  # null = actor.layout
+    micro_batch_size: int = 1  # forward-only micro-batches
+
+
+@dataclass
 class RolloutConfig:
     """Generation: the engine, its tensor parallelism and placement, and sampling parameters."""
 
@@ -250,6 +263,8 @@ class TrainerConfig:
     seed: int = 1234
     loggers: list[Literal["console", "tensorboard"]] = field(default_factory=lambda: ["console", "tensorboard"])
     log_every: int = 1
+    # Every N steps, write that step's samples (token ids, text, score) to rollouts/step_<k>.jsonl; 0 = never.
+    save_rollouts_every: int = 0
 
 
 @dataclass
@@ -280,7 +295,7 @@ class ClusterConfig:
         return dict(self.pools) if self.pools else {DEFAULT_POOL: self.world_size}
 
 
-ROLES = ("actor", "critic", "ref", "rollout")
+ROLES = ("actor", "critic", "ref", "reward_model", "rollout")
 
 
 @dataclass
@@ -293,6 +308,7 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -301,7 +317,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def pool_for(self, role: str) -> str:
-        """The resource pool a role ("actor", "critic", "ref", "rollout") runs on."""
+        """The resource pool a role (one of ``ROLES``) runs on."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; roles: {list(ROLES)}")
         if role == "actor":
@@ -312,9 +328,9 @@ class RunConfig:
         return self.actor.pool if own is None else own
 
     def layout_for(self, role: str) -> LayoutConfig:
-        """The Megatron layout of a trained or forward-only role ("actor", "critic", "ref")."""
-        if role not in ("actor", "critic", "ref"):
-            raise ValueError(f"role {role!r} has no Megatron layout; roles with one: actor, critic, ref")
+        """The Megatron layout of a trained or forward-only role ("actor", "critic", "ref", "reward_model")."""
+        if role not in ("actor", "critic", "ref", "reward_model"):
+            raise ValueError(f"role {role!r} has no Megatron layout; roles with one: actor, critic, ref, reward_model")
         own = getattr(self, role).layout
         return self.actor.layout if own is None else own
 

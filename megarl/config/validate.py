@@ -37,7 +37,7 @@ CRITIC_ESTIMATORS = ("gae",)
 DATA_SUFFIXES = (".parquet", ".jsonl")
 # Keys whose bad values make the parallel-size cross-checks meaningless.
 _SIZE_KEYS = ("rollout.n=", "rollout.tp=", "data.batch_size=", "cluster.") + tuple(
-    f"{role}.{k}=" for role in ("actor", "critic", "ref") for k in ("micro_batch_size", "mini_batch_size")
+    f"{role}.{k}=" for role in ("actor", "critic", "ref", "reward_model") for k in ("micro_batch_size", "mini_batch_size")
 )
 
 
@@ -138,8 +138,9 @@ def _range_checks(cfg: RunConfig, p: _Problems) -> None:
     if cfg.critic.enabled and cfg.critic.value_clip is not None:
         p.check(cfg.critic.value_clip >= 0, "critic.value_clip", cfg.critic.value_clip, "must be >= 0",
                 "use e.g. 0.5, or null for an unclipped value loss")
-    p.check(cfg.ref.micro_batch_size >= 1, "ref.micro_batch_size", cfg.ref.micro_batch_size, "must be >= 1",
-            "use e.g. 1")
+    for role in ("ref", "reward_model"):
+        mbs = getattr(cfg, role).micro_batch_size
+        p.check(mbs >= 1, f"{role}.micro_batch_size", mbs, "must be >= 1", "use e.g. 1")
 
     r = cfg.rollout
     p.check(r.tp >= 1, "rollout.tp", r.tp, "must be >= 1", "use 1 or a divisor of the model's heads")
@@ -192,6 +193,8 @@ def _range_checks(cfg: RunConfig, p: _Problems) -> None:
     p.check(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = only at the end)", "use e.g. 50")
     p.check(t.keep_last >= 1, "trainer.keep_last", t.keep_last, "must be >= 1", "use e.g. 2")
     p.check(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1", "use 1")
+    p.check(t.save_rollouts_every >= 0, "trainer.save_rollouts_every", t.save_rollouts_every,
+            "must be >= 0 (0 = never)", "use 0, or e.g. 10")
     p.check(t.seed >= 0, "trainer.seed", t.seed, "must be >= 0", "use e.g. 1234")
     p.check(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must not be empty", "use e.g. runs/my_run")
     p.check(bool(t.resume), "trainer.resume", t.resume, "must not be empty", "use auto, none or a checkpoint path")
@@ -244,6 +247,36 @@ def _registry_checks(cfg: RunConfig, p: _Problems) -> None:
             p.add(key, spec, show(str(exc), limit=240).strip('"'), "fix the module path or the function name")
 
 
+def _reward_model_config(cfg: RunConfig, p: _Problems, policy_hf: dict | None) -> dict | None:
+    """The reward model's HF config (None if disabled or unusable: each problem reported)."""
+    r = cfg.reward_model
+    if not r.enabled:
+        return None
+    if not r.model_path:
+        p.add("reward_model.model_path", r.model_path, "reward_model.enabled=true needs the reward model's checkpoint",
+              "give an HF *ForSequenceClassification directory with num_labels=1, or set reward_model.enabled=false")
+        return None
+    try:
+        hf = model_hf_config(r.model_path)
+    except ValueError as exc:
+        p.line(f"reward_model.model_path={show(r.model_path)}: {exc}")
+        return None
+    from model_specs import classifier_labels
+
+    labels = classifier_labels(hf)
+    if labels != 1:
+        p.add("reward_model.model_path", r.model_path, f"config.json says architectures={hf.get('architectures')} "
+              f"with {labels} label(s); a reward model here is a *ForSequenceClassification model with num_labels=1",
+              "export the reward model as such (e.g. AutoModelForSequenceClassification, num_labels=1)")
+        return None
+    if policy_hf is not None and hf.get("vocab_size") != policy_hf.get("vocab_size"):
+        p.add("reward_model.model_path", r.model_path, f"its vocab_size={hf.get('vocab_size')} differs from the "
+              f"policy's {policy_hf.get('vocab_size')}: it scores the policy's token ids, so it needs the same tokenizer",
+              "use a reward model trained on the policy's tokenizer")
+        return None
+    return hf
+
+
 def _check_layout(cfg: RunConfig, p: _Problems, role: str, layout: LayoutConfig, world: int, pool: str,
                   hf_config: dict | None) -> bool:
     from parallel.layout import LayoutError
@@ -281,7 +314,7 @@ def _micro_batch_checks(cfg: RunConfig, p: _Problems, role: str, layout: LayoutC
     mini = getattr(section, "mini_batch_size", None)
     prompts = cfg.data.batch_size if mini is None else mini
     prompts_key = "data.batch_size" if mini is None else f"{role}.mini_batch_size"
-    what = "optimizer step" if role != "ref" else "forward pass over the step's batch"
+    what = "optimizer step" if role in ("actor", "critic") else "forward pass over the step's batch"
     samples = prompts * n
     vpp_key = f"{role}.layout.vpp" if section.layout is not None else "actor.layout.vpp"
     if getattr(section, "max_tokens_per_micro_batch", None) is not None:
@@ -322,7 +355,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
 
 
-def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, critic_hf: dict | None) -> None:
+def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, critic_hf: dict | None,
+                     reward_hf: dict | None) -> None:
     c = cfg.cluster
     if c.nodes < 1 or c.ranks_per_node < 1:
         return  # reported by the range checks
@@ -341,7 +375,7 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
         ok_pools = False
 
     roles = {"actor": ("actor.pool", cfg.actor.pool)}
-    for role in ("critic", "ref"):
+    for role in ("critic", "ref", "reward_model"):
         section = getattr(cfg, role)
         if section.enabled and section.pool is not None:
             roles[role] = (f"{role}.pool", section.pool)
@@ -380,11 +414,11 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
             actor_ok = len(p.lines) == before
     else:
         actor_ok = False
-    for role, model_cfg in (("critic", critic_hf), ("ref", hf_config)):
+    for role, model_cfg in (("critic", critic_hf), ("ref", hf_config), ("reward_model", reward_hf)):
         section = getattr(cfg, role)
         if not section.enabled or role in bad_pool or "actor" in bad_pool and section.pool is None:
             continue
-        own = section.layout is not None or section.pool is not None or (role == "critic" and cfg.critic.model_path)
+        own = (section.layout is not None or section.pool is not None or getattr(section, "model_path", None))
         layout = cfg.layout_for(role)
         world = cfg.world_size_for(role)
         if own:
@@ -486,11 +520,13 @@ def validate_config(cfg: RunConfig, *, check_files: bool = True) -> None:
             p.line(f"critic.model_path={show(cfg.critic.model_path)}: {exc}")
             critic_hf = None
 
+    reward_hf = _reward_model_config(cfg, p, hf_config)
+
     _range_checks(cfg, p)
     _registry_checks(cfg, p)
     # Sizes are only worth cross-checking once each of them is sane on its own.
     if not any(line.startswith(_SIZE_KEYS) for line in p.lines):
-        _resource_checks(cfg, p, hf_config, critic_hf)
+        _resource_checks(cfg, p, hf_config, critic_hf, reward_hf)
     _cross_checks(cfg, p, hf_config)
     if check_files:
         _file_checks(cfg, p)

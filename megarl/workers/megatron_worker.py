@@ -27,7 +27,8 @@ import torch
 from megarl.workers.batch import (MicroBatching, data_parallel_rows, make_micro_batch, make_packed_micro_batch,
                                   packed_row_length, padded_length, response_mask)
 
-ROLES = ("actor", "ref", "critic")
+ROLES = ("actor", "ref", "critic", "reward_model")
+VALUE_ROLES = ("critic", "reward_model")  # a scalar head instead of the LM head
 
 
 @dataclasses.dataclass
@@ -138,7 +139,7 @@ class MegatronWorker:
                              "models sharing a worker share its layout")
         ckpt = HFCheckpoint(spec.hf_dir)
         dtype = dtype_from_name(spec.dtype)
-        if spec.role == "critic":
+        if spec.role in VALUE_ROLES:
             from parallel.value_head import build_value_model_chunks, load_hf_into_value_chunks
 
             chunks = build_value_model_chunks(ckpt.config, spec.layout, params_dtype=dtype,
@@ -245,11 +246,13 @@ class MegatronWorker:
 
     def _token_outputs(self, model: _Model, mb: dict, local: dict, output: torch.Tensor,
                        with_entropy: bool) -> dict[str, torch.Tensor]:
-        """Response-shaped ``[rows, R]`` log-probs/entropy (LM) or values (critic) of a micro-batch."""
+        """Response-shaped ``[rows, R]`` log-probs/entropy (LM) or values of a micro-batch: the
+        critic's before each response token (at the position predicting it), the reward model's
+        after it (at the token itself: the last one's is the sequence's score)."""
         from parallel.convert import undo_context_parallel_split
         from parallel.vocab_parallel import vocab_parallel_log_probs
 
-        if model.spec.role == "critic":
+        if model.spec.role in VALUE_ROLES:
             per_token = {"values": undo_context_parallel_split(output.squeeze(-1), local["position_ids"])}
         else:
             logp, entropy = vocab_parallel_log_probs(output, local["targets"], model.hf_config["vocab_size"],
@@ -258,6 +261,8 @@ class MegatronWorker:
             if entropy is not None:
                 per_token["entropy"] = undo_context_parallel_split(entropy, local["position_ids"])
         index = mb["gather_index"]  # [rows, R] positions; a packed micro-batch is one row of all
+        if model.spec.role == "reward_model":
+            index = index + 1
         return {key: value.expand(len(index), -1).gather(1, index) for key, value in per_token.items()}
 
     @torch.no_grad()

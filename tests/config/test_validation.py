@@ -247,3 +247,20 @@ def test_several_problems_give_one_self_contained_line_each(problems):
     # Structural problems (unknown keys, types) are all reported together, before value checks.
     lines = problems("actor.optim.lrr=1", "rollout.n=x", "actor.optim.lr=0")
     assert [line.split(":")[0].split("=")[0] for line in lines] == ["actor.optim.lrr", "rollout.n"]
+
+
+def test_reward_model_must_be_a_one_label_classifier_with_the_policys_vocabulary(problems, data_file, tmp_path):
+    from model_specs.presets import save_tiny_hf_model
+
+    line = _one(problems("reward_model.enabled=true"))
+    assert line.startswith("reward_model.model_path=null: reward_model.enabled=true needs the reward model's")
+    causal = save_tiny_hf_model("tiny-qwen2", tmp_path / "causal")
+    line = _one(problems("reward_model.enabled=true", f"reward_model.model_path={causal}"))
+    assert "architectures=['Qwen2ForCausalLM'] with None label(s)" in line and "num_labels=1" in line
+    other_vocab = save_tiny_hf_model("tiny-qwen2", tmp_path / "rm-vocab", reward_model=True, vocab_size=300)
+    line = _one(problems("reward_model.enabled=true", f"reward_model.model_path={other_vocab}"))
+    assert "vocab_size=300 differs from the policy's 256" in line
+    good = save_tiny_hf_model("tiny-qwen2", tmp_path / "rm", reward_model=True)
+    config = load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "reward_model.enabled=true",
+                                      f"reward_model.model_path={good}"])
+    assert config.pool_for("reward_model") == "global" and config.layout_for("reward_model") == config.actor.layout

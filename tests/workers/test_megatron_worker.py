@@ -1,13 +1,13 @@
 """The Megatron worker: log-probs equal HF transformers' at every layout, padded or packed
-(sequences in one thd row), and the same PPO updates give the same losses at every layout (the
-update is a function of the batch only)."""
+(sequences in one thd row), the same PPO updates give the same losses at every layout (the
+update is a function of the batch only), and a reward model scores like HF's sequence classifier."""
 
 import pytest
 import torch
 
 from model_specs.presets import save_tiny_hf_model
 from parallel.spawn import run_on_ranks
-from tests.rank_fns import worker_logprobs_and_updates
+from tests.rank_fns import worker_logprobs_and_updates, worker_reward_values
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18]]
 RESPONSES = [[20, 21, 22, 23], [24], [25, 26, 27], [28, 29]]
@@ -111,3 +111,28 @@ def test_same_updates_at_every_layout(results):
     # lr, so the weights after two steps agree to about lr (1e-3), not to 1e-6.
     for name, logp in after.items():
         torch.testing.assert_close(logp, after["tp1_dp2"], atol=2e-3, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("layout, packed", [(dict(tp=2), False), (dict(pp=2), False), (dict(cp=2), True)],
+                         ids=["tp2", "pp2", "packed_cp2"])
+def test_reward_model_scores_equal_hf_sequence_classifier(tmp_path, layout, packed):
+    """A sample's score (the reward model's value at its last token) equals HF transformers'
+    ``*ForSequenceClassification`` logit of the unpadded prompt + response; the values at every
+    response token are that model's outputs at those tokens."""
+    from transformers import AutoModelForSequenceClassification
+
+    rm_dir = save_tiny_hf_model("tiny-qwen2-untied", tmp_path / "rm", seed=4, reward_model=True, pad_token_id=0)
+    batch = rollout_batch(200)
+    per_rank = run_on_ranks(worker_reward_values, 2, rm_dir, layout, batch, 2, packed, timeout_s=240)
+    parts = [p for p in per_rank if p is not None]
+    order = torch.cat([p["rows"] for p in parts]).argsort()
+    values = torch.cat([p["values"] for p in parts])[order]
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for i, ids in enumerate(batch["input_ids"]):
+            p, r = int(batch["prompt_lengths"][i]), int(batch["response_lengths"][i])
+            score = model(ids[: p + r].unsqueeze(0)).logits[0, 0]
+            assert float(values[i, r - 1]) == pytest.approx(float(score), abs=2e-5), i
+            prefix_scores = [float(model(ids[: p + j + 1].unsqueeze(0)).logits[0, 0]) for j in range(r)]
+            assert values[i, :r].tolist() == pytest.approx(prefix_scores, abs=2e-5), i
+            assert values[i, r:].abs().sum() == 0
