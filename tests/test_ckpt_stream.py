@@ -5,7 +5,8 @@ Oracles: ``megatron.core.dist_checkpointing.save`` of the built, filled model (t
 converter used to write) must give the same keys, global shapes, stored chunks, tensor
 properties, metadata.json and common.pt, and the same stored values (read back by plain torch
 DCP); megatron's ``load`` of the streamed checkpoint at another layout must give the source
-weights bit for bit (exported by the independent gather path). Memory: the peak RSS of a
+weights bit for bit (exported by the independent gather path); the streamed round trip across
+layouts (other vocab padding, tied embeddings) must give the source files. Memory: the peak RSS of a
 conversion, measured from outside (``RUSAGE_CHILDREN`` of a wrapper process), must not grow
 with the number of layers beyond a few of the largest tensor.
 """
@@ -149,3 +150,33 @@ def test_peak_memory_does_not_grow_with_the_model(tmp_path):
     assert growth < 4 * largest + 0.05 * model_bytes, (
         f"peak RSS {peaks[2] / 2**20:.0f} MiB (2 layers) -> {peaks[40] / 2**20:.0f} MiB (40 layers, "
         f"{model_bytes / 2**20:.0f} MiB of weights, largest tensor {largest / 2**20:.1f} MiB)")
+
+
+def convert_on_ranks(direction, source, target, layout_kwargs):
+    from parallel.convert import conversion_on_rank
+    from parallel.layout import MegatronLayout
+
+    return conversion_on_rank(direction, source, target, MegatronLayout(**layout_kwargs), True)
+
+
+EXPORTS = {  # (model, overrides, save layout and ranks, export layout and ranks)
+    # vocab 200 padded to 512 rows at TP=4 but 256 at TP=1: the reader takes the real rows only
+    "tp4-padding-to-tp1": ("tiny-llama", {"num_key_value_heads": 4, "vocab_size": 200}, ({"tp": 4}, 4), ({}, 1)),
+    # tied embeddings: one stored tensor, read on the first stage only
+    "tied-tp1-to-pp2": ("tiny-llama-tied", {}, ({}, 1), ({"pp": 2}, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPORTS))
+def test_streamed_round_trip_across_layouts(tmp_path, case):
+    model, overrides, (save_kwargs, save_world), (export_kwargs, export_world) = EXPORTS[case]
+    hf_dir = save_tiny_hf_model(model, tmp_path / "hf", seed=9, **overrides)
+    mg, back = str(tmp_path / "mg"), str(tmp_path / "back")
+    run_on_ranks(convert_on_ranks, save_world, "hf-to-megatron", hf_dir, mg, save_kwargs, timeout_s=300)
+    run_on_ranks(convert_on_ranks, export_world, "megatron-to-hf", mg, back, export_kwargs, timeout_s=300)
+    source, exported = HFCheckpoint(hf_dir).read_all(), HFCheckpoint(back).read_all()
+    assert source.keys() == exported.keys()
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), name
+    recorded = json.loads((tmp_path / "mg" / "megarl_checkpoint.json").read_text())["checksums"]
+    assert recorded == json.loads((tmp_path / "back" / "megarl_checksums.json").read_text())
