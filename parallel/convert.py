@@ -4,7 +4,11 @@
 checkpoint, reading only the boxes the rank needs. ``gather_hf_tensors`` is the inverse: a
 collective that yields each full HF tensor on global rank 0 (one tensor at a time, so peak
 memory is the largest tensor), checking that every element was held by some rank and that
-replicas (TP-replicated norms, the tied output layer) agree bit for bit.
+replicas (TP-replicated norms, the tied output layer) agree bit for bit. Both serve models that
+are in memory anyway (the trainer, the tests).
+
+The conversion jobs (``hf_to_megatron``, ``megatron_to_hf``) never build the weights: they
+stream between the files shard by shard through ``parallel.ckpt_stream``.
 """
 
 from __future__ import annotations
