@@ -15,14 +15,16 @@ def live(procs) -> list[psutil.Process]:
     return alive
 
 
-def _is_resource_tracker(proc: psutil.Process) -> bool:
+def _is_per_interpreter_helper(proc: psutil.Process) -> bool:
+    """Python's multiprocessing resource tracker and torch's shared-memory manager: one per
+    interpreter that uses them, exiting with it (the manager: when its last client disconnects).
+    An SGLang engine handle in this process starts the manager with its first weight update."""
     try:
-        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+        return proc.name() == "torch_shm_manager" or "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
     except psutil.Error:
         return False
 
 
 def live_descendants() -> list[psutil.Process]:
-    """Live descendants of this test process, except Python's own multiprocessing resource
-    tracker (one per interpreter, started by the first spawn, exits with the interpreter)."""
-    return [p for p in live(psutil.Process().children(recursive=True)) if not _is_resource_tracker(p)]
+    """Live descendants of this test process, except the per-interpreter helpers above."""
+    return [p for p in live(psutil.Process().children(recursive=True)) if not _is_per_interpreter_helper(p)]

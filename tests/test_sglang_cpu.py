@@ -65,9 +65,7 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[tuple[list[int]
 
 
 def _engine_leftovers(pgid: int) -> list[psutil.Process]:
-    """Live processes of the engine's process group, plus live descendants of this process other
-    than torch's shared-memory manager (started by the handle's staging buffers in this process, it
-    serves this process and exits with it)."""
+    """Live processes of the engine's process group, plus live descendants of this process."""
     in_group = []
     for p in psutil.process_iter():
         try:
@@ -75,7 +73,7 @@ def _engine_leftovers(pgid: int) -> list[psutil.Process]:
                 in_group.append(p)
         except (OSError, psutil.Error):
             pass
-    return live(in_group) + [p for p in live_descendants() if p.name() != "torch_shm_manager"]
+    return live(in_group) + live_descendants()
 
 
 # --------------------------------------------------------------------------- stubs

@@ -136,7 +136,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(prompts, uninterrupte
             time.sleep(1)
         # Ray's own per-node agents outlive a SIGKILLed driver that started Ray (they are killed with
         # the session below); the run's workers, engines and reward processes must all be gone.
-        survivors = [p.name() for p in _session_members(proc.pid)
+        survivors = [f"{p.name()} ({' '.join(p.cmdline())[:120]})" for p in _session_members(proc.pid)
                      if p.name() not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")]
     finally:
         _kill_session(proc.pid)
