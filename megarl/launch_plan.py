@@ -142,14 +142,8 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
     problems: list[str] = []
     warnings: list[str] = []
 
-    trained = [("actor", True)]
-    if cfg.needs_reference:
-        trained.append(("ref", False))
-    if cfg.critic.enabled:
-        trained.append(("critic", True))
-    if cfg.reward_model.enabled:
-        trained.append(("reward_model", False))
-    for role, trainable in trained:
+    for role in cfg.megatron_roles:
+        trainable = role in ("actor", "critic")
         layout = cfg.layout_for(role)
         world = cfg.world_size_for(role)
         dp = world // (layout.tp * layout.pp * layout.cp)

@@ -92,17 +92,11 @@ def weight_sync_rounds(cfg: RunConfig, hf_config: dict) -> list[tuple[dict[int, 
 # ----------------------------------------------------------------------------- the controller
 
 
-def megatron_roles(cfg: RunConfig) -> list[str]:
-    """The Megatron models a run builds, in setup order."""
-    return (["actor"] + (["ref"] if cfg.needs_reference else []) + (["critic"] if cfg.critic.enabled else [])
-            + (["reward_model"] if cfg.reward_model.enabled else []))
-
-
 def worker_groups(cfg: RunConfig) -> dict[str, list[str]]:
     """Resource pool -> the Megatron roles its ranks run (one torch.distributed group per pool);
     the actor's pool first."""
     groups: dict[str, list[str]] = {}
-    for role in megatron_roles(cfg):
+    for role in cfg.megatron_roles:
         groups.setdefault(cfg.pool_for(role), []).append(role)
     return groups
 
@@ -198,7 +192,7 @@ class Trainer:
             address, port = ray.get(ray.remote(num_cpus=0)(_address).options(**_in_bundle(pg, 0)).remote())
             self.groups[pool] = [worker_cls.options(**_in_bundle(pg, rank)).remote(
                 rank, size, address, port, threads, group=pool) for rank in range(size)]
-        self.role_workers = {role: self.groups[cfg.pool_for(role)] for role in megatron_roles(cfg)}
+        self.role_workers = {role: self.groups[cfg.pool_for(role)] for role in cfg.megatron_roles}
         self.workers = self.role_workers["actor"]
         self._setup_models()
         r = cfg.rollout

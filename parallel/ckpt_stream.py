@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from parallel.hf_io import CheckpointError, HFCheckpoint
 from parallel.layout import MegatronLayout, build_model_chunks, unwrap_model
-from parallel.shards import Box, box_volume, megatron_shards
+from parallel.shards import Box, box_intersection, box_volume, megatron_shards
 
 # (HF tensor or None for zeros, its box, the box of the stored shard it fills)
 Link = tuple[str | None, Box, Box]
@@ -57,11 +57,6 @@ def meta_chunks(hf: Mapping[str, Any], layout: MegatronLayout) -> list:
     """This rank's GPTModel chunks on the meta device: structure and shapes, no weights."""
     with torch.device("meta"):
         return build_model_chunks(hf, layout)
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return box if all(x0 < x1 for x0, x1 in box) else None
 
 
 def _box_in_param(view: torch.Tensor, param: torch.Tensor, name: str) -> Box:
@@ -114,7 +109,7 @@ def sharded_state_dict_with_boxes(chunks: list, hf: Mapping[str, Any], layout: M
                 inner = _box_in_param(shard.data, param, name)
                 links = []
                 for piece in local.pieces:
-                    common = _intersect(piece.dst, inner)
+                    common = box_intersection(piece.dst, inner)
                     if common is None:
                         continue
                     dst = tuple((a - i0, b - i0) for (a, b), (i0, _) in zip(common, inner))

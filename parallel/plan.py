@@ -24,7 +24,8 @@ from typing import Mapping
 import torch
 
 from parallel.layout import MegatronLayout
-from parallel.shards import Box, LocalTensor, box_volume, megatron_shards, MegatronRank, sglang_shards
+from parallel.shards import (Box, LocalTensor, box_intersection, box_volume, megatron_shards, MegatronRank,
+                             sglang_shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +87,13 @@ class Plan:
                     if any(not 0 <= lo < hi <= n for (lo, hi), n in zip(a, tensor.shape)):
                         raise ValueError(f"device {device} {name}: box {a} outside {tensor.shape}")
                     for b in boxes[i + 1:]:
-                        if _intersect(a, b) is not None:
+                        if box_intersection(a, b) is not None:
                             raise ValueError(f"device {device} {name}: boxes {a} and {b} both written")
 
     def summary(self) -> str:
         return (f"{len(self.copies)} copies, {self.local_bytes / 2**20:.1f} MiB local, "
                 f"{self.network_bytes / 2**20:.1f} MiB over the network (minimum "
                 f"{self.minimum_network_bytes / 2**20:.1f} MiB)")
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return box if all(lo < hi for lo, hi in box) else None
 
 
 def _translate(region: Box, piece_src: Box, piece_dst: Box) -> Box:
@@ -160,13 +156,13 @@ def plan_megatron_to_sglang(
                     continue
                 regions: dict[Box, list] = defaultdict(list)  # identical boxes = replicas
                 for holder, key, src_piece in holders[piece.hf]:
-                    region = _intersect(piece.src, src_piece.src)
+                    region = box_intersection(piece.src, src_piece.src)
                     if region is not None:
                         regions[region].append((holder, key, src_piece))
                 boxes = list(regions)
                 covered = sum(box_volume(b) for b in boxes)
                 if covered != box_volume(piece.src) or any(
-                    _intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:]
+                    box_intersection(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:]
                 ):
                     raise ValueError(f"{piece.hf} {piece.src}: the source layout does not tile this region "
                                      f"exactly once ({covered} of {box_volume(piece.src)} elements)")

@@ -57,6 +57,12 @@ def full_box(shape) -> Box:
     return tuple((0, n) for n in shape)
 
 
+def box_intersection(a: Box, b: Box) -> Box | None:
+    """The common region of two boxes, None if they do not overlap."""
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
 def _rows(box: Box, start: int, stop: int) -> Box:
     """``box`` with its dim-0 range replaced."""
     return ((start, stop), *box[1:])

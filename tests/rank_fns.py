@@ -394,7 +394,7 @@ def worker_reward_values(rm_dir, layout_kwargs, batch, micro_batch_size, packed=
                            MicroBatching(micro_batch_size=micro_batch_size, packed=packed)), seed=7)
     values = worker.forward("reward_model", batch)
     worker.shutdown()
-    return values
+    return {"scores": values}
 
 
 def packed_oracle_tp1(lengths, seed):

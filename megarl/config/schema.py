@@ -339,6 +339,12 @@ class RunConfig:
         """A reference model runs: asked for, or needed by a KL loss term or KL reward penalty."""
         return self.ref.enabled or self.actor.kl_loss.enabled or self.algorithm.kl_penalty.enabled
 
+    @property
+    def megatron_roles(self) -> list[str]:
+        """The Megatron models a run builds, in setup order."""
+        return (["actor"] + (["ref"] if self.needs_reference else []) + (["critic"] if self.critic.enabled else [])
+                + (["reward_model"] if self.reward_model.enabled else []))
+
     def world_size_for(self, role: str) -> int:
         """Ranks in the role's pool (KeyError if the pool is not declared)."""
         return self.cluster.pool_sizes()[self.pool_for(role)]

@@ -124,9 +124,7 @@ def test_reward_model_scores_equal_hf_sequence_classifier(tmp_path, layout, pack
     rm_dir = save_tiny_hf_model("tiny-qwen2-untied", tmp_path / "rm", seed=4, reward_model=True, pad_token_id=0)
     batch = rollout_batch(200)
     per_rank = run_on_ranks(worker_reward_values, 2, rm_dir, layout, batch, 2, packed, timeout_s=240)
-    parts = [p for p in per_rank if p is not None]
-    order = torch.cat([p["rows"] for p in parts]).argsort()
-    values = torch.cat([p["values"] for p in parts])[order]
+    values = _collect(per_rank, "scores", len(batch["input_ids"]))["values"]
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for i, ids in enumerate(batch["input_ids"]):
