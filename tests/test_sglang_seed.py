@@ -23,6 +23,9 @@ SEED = 1234
 N_PROMPTS, NEW_TOKENS = 16, 8
 SAMPLING = {"temperature": 1.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 ENGINE_KW = dict(tp_size=1, startup_timeout_s=240, call_timeout_s=120)
+# The first token of one prompt, drawn many times at a low temperature (a peaked distribution).
+FIRST_TOKEN_TEMPERATURE, FIRST_TOKEN_DRAWS, FIRST_TOKEN_CALLS = 0.05, 500, 5
+FIRST_TOKEN_SAMPLING = {"temperature": FIRST_TOKEN_TEMPERATURE, "max_new_tokens": 1, "ignore_eos": True}
 
 
 def _prompts() -> list[list[int]]:
@@ -62,7 +65,9 @@ def first_engine_runs(model_dir):
         c = _sample(eng)
         eng.reseed(SEED + 1)
         d = _sample(eng)
-    return {"A": a, "B": b, "C": c, "D": d}
+        first = [eng.generate([_prompts()[0]] * FIRST_TOKEN_DRAWS, FIRST_TOKEN_SAMPLING)
+                 for _ in range(FIRST_TOKEN_CALLS)]
+    return {"A": a, "B": b, "C": c, "D": d, "first_tokens": [o["output_ids"][0] for call in first for o in call]}
 
 
 @pytest.mark.timeout(400)
@@ -71,6 +76,23 @@ def test_sampling_is_random_without_reseed(first_engine_runs):
     (and the tiny random model's distributions are wide enough for that to show)."""
     a, b = _tokens(first_engine_runs["A"]), _tokens(first_engine_runs["B"])
     assert sum(x != y for x, y in zip(a, b)) >= N_PROMPTS // 2, (a, b)
+
+
+@pytest.mark.timeout(400)
+def test_samples_follow_hf_next_token_distribution(model_dir, first_engine_runs):
+    """The engine's sampler (megarl's inverse-CDF patch) draws from HF transformers' softmax of
+    the last logits at that temperature: every token's frequency within 5 standard errors."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([_prompts()[0]])).logits[0, -1].double()
+    p = torch.softmax(logits / FIRST_TOKEN_TEMPERATURE, -1)
+    draws = len(first_engine_runs["first_tokens"])
+    frequencies = torch.bincount(torch.tensor(first_engine_runs["first_tokens"]), minlength=len(p)).double() / draws
+    assert p.max() > 0.05, "the distribution is too flat for this check to see a wrong sampler"
+    bound = 5 * (p * (1 - p) / draws).sqrt() + 1.0 / draws
+    assert ((frequencies - p).abs() <= bound).all(), ((frequencies - p).abs() - bound).max()
 
 
 @pytest.mark.timeout(400)
