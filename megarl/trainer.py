@@ -239,24 +239,26 @@ class Trainer:
                                   clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                                   entropy_coef=a.entropy_coef, kl_coef=kl.coef if kl.enabled else 0.0,
                                   kl_estimator=kl.estimator, kl_clamp=kl.clamp)
-        packed = a.sequence_packing
+        packed, shared = a.sequence_packing, a.shared_prompts
         specs = [ModelSpec("actor", self.model_dir, layout,
-                           MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch, packed),
+                           MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch, packed, shared),
                            a.optim, cfg.trainer.total_steps * steps_per_rl_step, actor_loss, cfg.model.dtype)]
         if cfg.needs_reference:
             specs.append(ModelSpec("ref", self.model_dir, cfg.layout_for("ref").to_megatron(),
-                                   MicroBatching(cfg.ref.micro_batch_size, packed=packed), dtype=cfg.model.dtype))
+                                   MicroBatching(cfg.ref.micro_batch_size, packed=packed, shared_prompts=shared),
+                                   dtype=cfg.model.dtype))
         if cfg.critic.enabled:
             c = cfg.critic
             specs.append(ModelSpec("critic", c.model_path or self.model_dir, cfg.layout_for("critic").to_megatron(),
-                                   MicroBatching(c.micro_batch_size, c.max_tokens_per_micro_batch, packed), c.optim,
+                                   MicroBatching(c.micro_batch_size, c.max_tokens_per_micro_batch, packed, shared), c.optim,
                                    cfg.trainer.total_steps * c.ppo_epochs * self._minibatches_per_step(c.mini_batch_size),
                                    LossSettings(loss_agg_mode=c.loss_agg_mode, value_clip=c.value_clip,
                                                 max_len=cfg.rollout.max_new_tokens), cfg.model.dtype))
         if cfg.reward_model.enabled:
             rm = cfg.reward_model
             specs.append(ModelSpec("reward_model", rm.model_path, cfg.layout_for("reward_model").to_megatron(),
-                                   MicroBatching(rm.micro_batch_size, packed=packed), dtype=cfg.model.dtype))
+                                   MicroBatching(rm.micro_batch_size, packed=packed, shared_prompts=shared),
+                                   dtype=cfg.model.dtype))
         ray.get([w.setup.remote(spec, cfg.trainer.seed) for spec in specs for w in self.role_workers[spec.role]])
 
     def _minibatches_per_step(self, mini_batch_size: int | None) -> int:

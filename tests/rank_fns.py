@@ -350,10 +350,10 @@ def packed_loss_grads(lengths, seed):
     return result
 
 
-def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_batch_size, packed=False):
+def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_batch_size, batching=None):
     """A MegatronWorker (actor + reference) at a layout: the reference's log-probs/entropy of
     ``batch``, then ``steps`` PPO updates of the actor on it and the actor's log-probs after.
-    ``packed``: micro-batches are packed rows (thd) instead of padded ones."""
+    ``batching``: MicroBatching options, e.g. {"packed": True} (thd rows) or {"shared_prompts": True}."""
     from megarl.config.schema import OptimSettings
     from megarl.workers.batch import MicroBatching, response_mask
     from megarl.workers.megatron_worker import LossSettings, MegatronWorker, ModelSpec
@@ -361,7 +361,7 @@ def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_b
 
     layout = MegatronLayout(**layout_kwargs)
     worker = MegatronWorker()
-    batching = MicroBatching(micro_batch_size=micro_batch_size, packed=packed)
+    batching = MicroBatching(micro_batch_size=micro_batch_size, **(batching or {}))
     loss = LossSettings(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01, kl_coef=0.1)
     worker.setup(ModelSpec("ref", hf_dir, layout, batching), seed=7)
     worker.setup(ModelSpec("actor", hf_dir, layout, batching, OptimSettings(lr=lr, weight_decay=0.0),
@@ -382,16 +382,16 @@ def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_b
     return {"ref": ref, "metrics": metrics, "after": after}
 
 
-def worker_reward_values(rm_dir, layout_kwargs, batch, micro_batch_size, packed=False):
+def worker_reward_values(rm_dir, layout_kwargs, batch, micro_batch_size, batching=None):
     """A MegatronWorker running a reward model at a layout: its per-response-token values of
-    ``batch`` (the score of a sample is the value at its last token)."""
+    ``batch`` (the score of a sample is the value at its last token); ``batching`` as above."""
     from megarl.workers.batch import MicroBatching
     from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
     from parallel.layout import MegatronLayout
 
     worker = MegatronWorker()
     worker.setup(ModelSpec("reward_model", rm_dir, MegatronLayout(**layout_kwargs),
-                           MicroBatching(micro_batch_size=micro_batch_size, packed=packed)), seed=7)
+                           MicroBatching(micro_batch_size=micro_batch_size, **(batching or {}))), seed=7)
     values = worker.forward("reward_model", batch)
     worker.shutdown()
     return {"scores": values}

@@ -106,6 +106,12 @@ class ActorConfig:
     # Pack each micro-batch's sequences into one row (thd, no padding between them) for every
     # Megatron model of the run (actor, reference, critic); false = right-padded rows.
     sequence_packing: bool = False
+    # Compute each prompt once for all its rollout.n samples, for every Megatron model of the run:
+    # one row per prompt holding the prompt and each sample's response as a branch (tree attention
+    # mask, per-token RoPE positions; exact: parallel/shared_prefix.py). Fewer tokens through the
+    # linear layers (prompt x (n-1) per prompt), but attention spans the whole row, so it pays for
+    # short responses and long prompts. Not with sequence_packing or context parallelism.
+    shared_prompts: bool = False
     # Prompts per optimizer step (each with rollout.n samples); null = data.batch_size (one
     # optimizer step per epoch over the batch).
     mini_batch_size: int | None = None

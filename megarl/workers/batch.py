@@ -31,6 +31,7 @@ class MicroBatching:
     micro_batch_size: int = 1
     max_tokens: int | None = None
     packed: bool = False  # a micro-batch is one packed row (thd) instead of padded rows
+    shared_prompts: bool = False  # one row per prompt: the prompt once, then each sample's response
 
 
 def sequence_lengths(batch: dict) -> torch.Tensor:
@@ -120,3 +121,65 @@ def make_packed_micro_batch(batch: dict, rows: list[int], length: int, slot_mult
     starts = packed.cu_seqlens_padded.tolist()[: len(rows)]
     return {"tokens": packed.tokens, "targets": targets, **_response_rows(batch, rows, max(len(rows), 1), starts),
             "rows": torch.tensor(list(rows) or [-1]), "packed": packed}
+
+
+def prompt_groups(batch: dict, rows: list[int]) -> list[list[int]]:
+    """``rows`` grouped by identical prompt tokens, groups and rows in order of appearance. A
+    prompt that occurs more often than the most common group size (the same question drawn twice
+    in a step) is cut into groups of that size, so that one long row does not set the padded
+    length of all the others."""
+    from collections import Counter
+
+    groups: dict[tuple, list[int]] = {}
+    for row in rows:
+        prompt = batch["input_ids"][row, : int(batch["prompt_lengths"][row])]
+        groups.setdefault(tuple(prompt.tolist()), []).append(row)
+    sizes = Counter(len(group) for group in groups.values())
+    size = max(sizes, key=lambda s: (sizes[s], -s)) if sizes else 1
+    return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
+
+
+def shared_prompt_row_length(batch: dict, group: list[int]) -> int:
+    """Tokens of one shared-prompt row: the prompt but its last token once, then per sample that
+    last token and the response (so every response token's predicting position is its own)."""
+    prompt = int(batch["prompt_lengths"][group[0]])
+    return prompt - 1 + sum(1 + int(batch["response_lengths"][row]) for row in group)
+
+
+def make_shared_prompt_micro_batch(batch: dict, rows: list[int], length: int, num_groups: int) -> dict:
+    """Rows ``rows`` of ``batch`` as ``num_groups`` shared-prefix rows of ``length`` tokens
+    (``parallel.shared_prefix``): one per prompt, each sample a branch made of the prompt's last
+    token and its response, at the positions it has in its own sequence. Same fields as
+    ``make_micro_batch`` plus ``position_ids`` and ``tree_mask`` (the attention mask);
+    ``gather_index`` holds positions in the flattened ``[num_groups * length]`` outputs."""
+    from parallel.shared_prefix import PADDING, PREFIX, tree_attention_mask
+
+    groups = prompt_groups(batch, rows)
+    if len(groups) > num_groups:
+        raise ValueError(f"rows {rows} hold {len(groups)} prompts, more than the {num_groups} rows asked for")
+    tokens = torch.zeros(num_groups, length, dtype=torch.long)
+    positions = torch.zeros_like(tokens)
+    segments = torch.full_like(tokens, PADDING)
+    starts = {}  # sample row -> where its sequence would start in the flattened outputs
+    for g, group in enumerate(groups):
+        if shared_prompt_row_length(batch, group) > length:
+            raise ValueError(f"prompt group {group} needs {shared_prompt_row_length(batch, group)} tokens, "
+                             f"more than the row's {length}")
+        prompt = int(batch["prompt_lengths"][group[0]])
+        tokens[g, : prompt - 1] = batch["input_ids"][group[0], : prompt - 1]
+        positions[g, : prompt - 1] = torch.arange(prompt - 1)
+        segments[g, : prompt - 1] = PREFIX
+        cursor = prompt - 1
+        for branch, row in enumerate(group, start=PREFIX + 1):
+            span = slice(cursor, cursor + 1 + int(batch["response_lengths"][row]))
+            tokens[g, span] = batch["input_ids"][row, prompt - 1: prompt - 1 + span.stop - span.start]
+            positions[g, span] = torch.arange(prompt - 1, prompt - 1 + span.stop - span.start)
+            segments[g, span] = branch
+            starts[row] = g * length + cursor - (prompt - 1)
+            cursor = span.stop
+    targets = torch.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    return {"tokens": tokens, "targets": targets, "position_ids": positions,
+            "tree_mask": tree_attention_mask(segments),
+            **_response_rows(batch, rows, max(len(rows), 1), [starts[r] for r in rows]),
+            "rows": torch.tensor(list(rows) or [-1])}

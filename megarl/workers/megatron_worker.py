@@ -25,7 +25,8 @@ from typing import Any, Callable
 import torch
 
 from megarl.workers.batch import (MicroBatching, data_parallel_rows, make_micro_batch, make_packed_micro_batch,
-                                  packed_row_length, padded_length, response_mask)
+                                  make_shared_prompt_micro_batch, packed_row_length, padded_length, prompt_groups,
+                                  response_mask, shared_prompt_row_length)
 
 ROLES = ("actor", "ref", "critic", "reward_model")
 VALUE_ROLES = ("critic", "reward_model")  # a scalar head instead of the LM head
@@ -202,6 +203,18 @@ class MegatronWorker:
                 row_lengths = [packed_row_length(batch, rows, slot) for rows in mine]
             return [make_packed_micro_batch(batch, rows, padded_length(length, row_multiple), slot)
                     for rows, length in zip(mine, row_lengths)]
+        if model.spec.batching.shared_prompts:  # one row per prompt, its samples as branches
+            groups = [[prompt_groups(batch, rows) for rows in share] for share in plan]
+            row_length = lambda gs: max([shared_prompt_row_length(batch, g) for g in gs] or [1])  # noqa: E731
+            if pipelined:  # one shape for every micro-batch of the pipeline
+                longest = max(row_length(gs) for share in groups for gs in share)
+                most = max(max(len(gs), 1) for share in groups for gs in share)
+                shapes = [(longest, most)] * len(mine)
+            else:
+                shapes = [(row_length(gs), max(len(gs), 1)) for gs in groups[dp_rank]]
+                shapes += [(1, 1)] * (len(mine) - len(shapes))  # VPP filler micro-batches
+            return [make_shared_prompt_micro_batch(batch, rows, padded_length(length, multiple), count)
+                    for rows, (length, count) in zip(mine, shapes)]
         micro = []
         for rows in mine:
             longest = longest_all if pipelined else max([lengths[r] for r in rows] or [1])
@@ -225,6 +238,13 @@ class MegatronWorker:
                          "position_ids": mine.unsqueeze(0)}
                 output = module(local["tokens"], packed.position_ids[:, mine], attention_mask=None,
                                 packed_seq_params=packed.packed_seq_params())
+                return output, lambda out: loss_of(mb, local, out)
+            if "tree_mask" in mb:  # shared-prompt rows: per-token RoPE positions, tree attention mask
+                from parallel.shared_prefix import rotary_positions
+
+                local = {"targets": mb["targets"], "position_ids": mb["position_ids"]}
+                with rotary_positions(module, mb["position_ids"]):
+                    output = module(mb["tokens"], mb["position_ids"], attention_mask=mb["tree_mask"])
                 return output, lambda out: loss_of(mb, local, out)
             positions = torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"])
             local = split_for_context_parallel({"tokens": mb["tokens"], "targets": mb["targets"],
@@ -263,6 +283,8 @@ class MegatronWorker:
         index = mb["gather_index"]  # [rows, R] positions; a packed micro-batch is one row of all
         if model.spec.role == "reward_model":
             index = index + 1
+        if "tree_mask" in mb:  # shared-prompt rows: positions in the flattened rows
+            per_token = {key: value.reshape(1, -1) for key, value in per_token.items()}
         return {key: value.expand(len(index), -1).gather(1, index) for key, value in per_token.items()}
 
     @torch.no_grad()

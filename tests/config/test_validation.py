@@ -186,6 +186,15 @@ def test_group_estimators_need_several_samples(problems):
     assert line.startswith("rollout.n=1: algorithm.advantage='grpo' compares the samples of one prompt")
 
 
+def test_shared_prompts_need_padded_rows_and_no_context_parallelism(problems, data_file):
+    line = _one(problems("actor.shared_prompts=true", "actor.sequence_packing=true"))
+    assert line.startswith("actor.shared_prompts=true: shared-prompt rows and sequence_packing are two different")
+    line = _one(problems("actor.shared_prompts=true", "ref.layout={tp: 1, pp: 1, cp: 2}"))
+    assert line.startswith("actor.shared_prompts=true: shared-prompt rows need context parallelism 1, but the ref's "
+                           "layout has cp=2")
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "actor.shared_prompts=true"])
+
+
 def test_sequence_must_fit_the_model_positions(problems):
     line = _one(problems("rollout.max_new_tokens=250"))
     assert line.startswith("rollout.max_new_tokens=250: data.max_prompt_length=32 + max_new_tokens = 282 exceeds")

@@ -1,6 +1,7 @@
-"""The Megatron worker: log-probs equal HF transformers' at every layout, padded or packed
-(sequences in one thd row), the same PPO updates give the same losses at every layout (the
-update is a function of the batch only), and a reward model scores like HF's sequence classifier."""
+"""The Megatron worker: log-probs equal HF transformers' at every layout, padded, packed
+(sequences in one thd row) or with shared prompts (one row per prompt, its samples as branches),
+the same PPO updates give the same losses at every layout (the update is a function of the batch
+only), and a reward model scores like HF's sequence classifier."""
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ RESPONSES = [[20, 21, 22, 23], [24], [25, 26, 27], [28, 29]]
 
 
 def rollout_batch(vocab_size: int) -> dict:
-    """Eight samples (each prompt twice, the second time with a shorter response), right-padded."""
-    prompts, responses = PROMPTS * 2, RESPONSES + [r[:1] for r in RESPONSES]
+    """Eight samples (each prompt twice in a row, the second time with a shorter response, as a
+    rollout with n=2 orders them), right-padded."""
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    responses = [r for full in RESPONSES for r in (full, full[:1])]
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses)):
@@ -61,16 +64,20 @@ def hf_dir(tmp_path_factory):
     return save_tiny_hf_model("tiny-llama", tmp_path_factory.mktemp("hf") / "m", seed=1)
 
 
-# name -> (layout, world size, packed micro-batches: sequences packed into one thd row)
+PACKED, SHARED = {"packed": True}, {"shared_prompts": True}
+# name -> (layout, world size, MicroBatching options: padded rows unless packed/shared prompts)
 LAYOUTS = {
-    "tp1_dp2": (dict(tp=1), 2, False),
-    "tp2": (dict(tp=2), 2, False),
-    "pp2": (dict(pp=2), 2, False),
-    "cp2": (dict(cp=2), 2, False),
-    "tp2_sp": (dict(tp=2, sequence_parallel=True), 2, False),
-    "packed_pp2": (dict(pp=2), 2, True),
-    "packed_cp2": (dict(cp=2), 2, True),
-    "packed_tp2_sp": (dict(tp=2, sequence_parallel=True), 2, True),
+    "tp1_dp2": (dict(tp=1), 2, {}),
+    "tp2": (dict(tp=2), 2, {}),
+    "pp2": (dict(pp=2), 2, {}),
+    "cp2": (dict(cp=2), 2, {}),
+    "tp2_sp": (dict(tp=2, sequence_parallel=True), 2, {}),
+    "packed_pp2": (dict(pp=2), 2, PACKED),
+    "packed_cp2": (dict(cp=2), 2, PACKED),
+    "packed_tp2_sp": (dict(tp=2, sequence_parallel=True), 2, PACKED),
+    "shared_tp1_dp2": (dict(tp=1), 2, SHARED),
+    "shared_pp2": (dict(pp=2), 2, SHARED),
+    "shared_tp2_sp": (dict(tp=2, sequence_parallel=True), 2, SHARED),
 }
 
 
@@ -78,8 +85,8 @@ LAYOUTS = {
 def results(hf_dir):
     batch = rollout_batch(200)
     out = {}
-    for name, (layout, world, packed) in LAYOUTS.items():
-        out[name] = run_on_ranks(worker_logprobs_and_updates, world, hf_dir, layout, batch, 2, 1e-3, 2, packed,
+    for name, (layout, world, batching) in LAYOUTS.items():
+        out[name] = run_on_ranks(worker_logprobs_and_updates, world, hf_dir, layout, batch, 2, 1e-3, 2, batching,
                                  timeout_s=240)
     return batch, out
 
@@ -102,8 +109,11 @@ def test_same_updates_at_every_layout(results):
     assert reference[0]["actor/loss"] != reference[1]["actor/loss"]  # the first step changed the model
     for name, per_rank in out.items():
         for step, (want, got) in enumerate(zip(reference, per_rank[0]["metrics"])):
+            # Step 1 runs on weights after one Adam step, which turns rounding-level gradient
+            # differences into weight differences of up to lr (see below): a looser relative bound.
+            rel = 1e-4 if step == 0 else 5e-4
             for key in ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
-                assert got[key] == pytest.approx(want[key], abs=1e-5, rel=1e-4), (name, step, key)
+                assert got[key] == pytest.approx(want[key], abs=1e-5, rel=rel), (name, step, key)
     after = {name: _collect(r, "after", len(batch["input_ids"]))["logp"] for name, r in out.items()}
     before = _collect(out["tp1_dp2"], "ref", len(batch["input_ids"]))["logp"]
     assert (after["tp1_dp2"] - before).abs().max() > 0.05  # the updates moved the log-probs
@@ -113,9 +123,9 @@ def test_same_updates_at_every_layout(results):
         torch.testing.assert_close(logp, after["tp1_dp2"], atol=2e-3, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("layout, packed", [(dict(tp=2), False), (dict(pp=2), False), (dict(cp=2), True)],
-                         ids=["tp2", "pp2", "packed_cp2"])
-def test_reward_model_scores_equal_hf_sequence_classifier(tmp_path, layout, packed):
+@pytest.mark.parametrize("layout, batching", [(dict(tp=2), {}), (dict(pp=2), {}), (dict(cp=2), PACKED),
+                                             (dict(tp=2), SHARED)], ids=["tp2", "pp2", "packed_cp2", "shared_tp2"])
+def test_reward_model_scores_equal_hf_sequence_classifier(tmp_path, layout, batching):
     """A sample's score (the reward model's value at its last token) equals HF transformers'
     ``*ForSequenceClassification`` logit of the unpadded prompt + response; the values at every
     response token are that model's outputs at those tokens."""
@@ -123,7 +133,7 @@ def test_reward_model_scores_equal_hf_sequence_classifier(tmp_path, layout, pack
 
     rm_dir = save_tiny_hf_model("tiny-qwen2-untied", tmp_path / "rm", seed=4, reward_model=True, pad_token_id=0)
     batch = rollout_batch(200)
-    per_rank = run_on_ranks(worker_reward_values, 2, rm_dir, layout, batch, 2, packed, timeout_s=240)
+    per_rank = run_on_ranks(worker_reward_values, 2, rm_dir, layout, batch, 2, batching, timeout_s=240)
     values = _collect(per_rank, "scores", len(batch["input_ids"]))["values"]
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
     with torch.no_grad():
