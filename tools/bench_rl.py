@@ -29,8 +29,8 @@ the step minus ``_prepare_inputs``, i.e. forward + backward + optimizer). megarl
 Python); its times are the ``time/*`` entries of ``<output_dir>/metrics.jsonl``. The first
 ``--warmup`` steps are excluded; times are medians over the ``--steps`` timed steps (robust to
 the bursts of other processes on a shared machine; the JSON keeps every step). Peak memory is
-the largest summed PSS of the side's process tree, sampled every 0.5 s. ``speedup`` is TRL's
-s/step over megarl's (> 1: megarl is faster).
+the largest summed PSS of the side's process tree, sampled every ``PSS_EVERY_S`` (5 s).
+``speedup`` is TRL's s/step over megarl's (> 1: megarl is faster).
 
 The machine's load average is printed with the table: another busy process makes 2-thread steps
 many times slower (../shared/notes/rl_on_cpu.md); compare numbers only from a quiet machine.
@@ -59,6 +59,10 @@ SAMPLES_PER_PROMPT = 8
 COMPLETIONS_PER_STEP = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
 PARTIAL_CREDIT_SCALE = 10.0  # dense reward: random completions already score differently within a group
 RESULT_PREFIX = "BENCH_RL_RESULT "
+# Reading a process tree's PSS walks every page table: ~90 ms of CPU for megarl's 15 processes
+# here. Sampled every 0.5 s it took ~9% of the two CPUs from the side being measured (TRL's one
+# process costs far less to read), so the peak is sampled every 5 s.
+PSS_EVERY_S = 5.0
 MEGARL_METRICS = ("step", "time/step_s", "time/generate_s", "time/update_s", "response_length/mean")
 
 
@@ -238,13 +242,14 @@ def run_side(name: str, cmd: list[str], log_path: Path, threads: int, timeout: f
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     peak = 0
-    start = time.monotonic()
+    start = last_sample = time.monotonic()
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: os.sched_setaffinity(0, cpus))
         try:
             while proc.poll() is None:
-                peak = max(peak, tree_pss(proc.pid))
+                if time.monotonic() - last_sample >= PSS_EVERY_S:
+                    peak, last_sample = max(peak, tree_pss(proc.pid)), time.monotonic()
                 if time.monotonic() - start > timeout:
                     raise SideFailed(f"{name} ran past --timeout {timeout:.0f} s")
                 time.sleep(0.5)
