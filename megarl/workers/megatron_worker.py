@@ -138,6 +138,9 @@ class MegatronWorker:
         elif spec.layout != self.layout:
             raise ValueError(f"{spec.role} layout {spec.layout} differs from this worker's {self.layout}; "
                              "models sharing a worker share its layout")
+        if spec.batching.shared_prompts and (spec.batching.packed or spec.layout.cp > 1):
+            raise ValueError(f"{spec.role}: shared-prompt rows need padded rows (packed={spec.batching.packed}) and "
+                             f"context parallelism 1 (cp={spec.layout.cp}); turn shared_prompts off")
         ckpt = HFCheckpoint(spec.hf_dir)
         dtype = dtype_from_name(spec.dtype)
         if spec.role in VALUE_ROLES:
@@ -212,7 +215,6 @@ class MegatronWorker:
                 shapes = [(longest, most)] * len(mine)
             else:
                 shapes = [(row_length(gs), max(len(gs), 1)) for gs in groups[dp_rank]]
-                shapes += [(1, 1)] * (len(mine) - len(shapes))  # VPP filler micro-batches
             return [make_shared_prompt_micro_batch(batch, rows, padded_length(length, multiple), count)
                     for rows, (length, count) in zip(mine, shapes)]
         micro = []
