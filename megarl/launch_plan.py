@@ -35,7 +35,7 @@ import math
 import shlex
 from typing import Any
 
-from megarl.config.schema import RunConfig
+from megarl.config.schema import TRAINED_ROLES, VALUE_ROLES, RunConfig
 from parallel.memory import (
     GiB,
     RUNTIME_RESERVE_BYTES,
@@ -143,7 +143,7 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
     warnings: list[str] = []
 
     for role in cfg.megatron_roles:
-        trainable = role in ("actor", "critic")
+        trainable = role in TRAINED_ROLES
         layout = cfg.layout_for(role)
         world = cfg.world_size_for(role)
         dp = world // (layout.tp * layout.pp * layout.cp)
@@ -152,7 +152,7 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
         tokens, micro, text = _micro_batching(cfg, role, dp, seq)
         estimate = training_memory(model_hf, layout, dp=dp, dtype=dtype, tokens_per_micro_batch=tokens,
                                    micro_batches=micro, trainable=trainable,
-                                   value_head=role in ("critic", "reward_model"), recompute=recompute, role=role)
+                                   value_head=role in VALUE_ROLES, recompute=recompute, role=role)
         roles.append(RolePlan(role, cfg.pool_for(role), world, _layout_text(layout), dp, text, memory=estimate))
 
     # Pools: resident training states first (SGLang sizes itself from what is left).

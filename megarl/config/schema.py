@@ -301,7 +301,10 @@ class ClusterConfig:
         return dict(self.pools) if self.pools else {DEFAULT_POOL: self.world_size}
 
 
-ROLES = ("actor", "critic", "ref", "reward_model", "rollout")
+MEGATRON_ROLES = ("actor", "critic", "ref", "reward_model")  # the roles Megatron models play
+TRAINED_ROLES = ("actor", "critic")  # with an optimizer; the others are forward-only
+VALUE_ROLES = ("critic", "reward_model")  # a scalar (value) head instead of the LM head
+ROLES = MEGATRON_ROLES + ("rollout",)
 
 
 @dataclass
@@ -335,7 +338,7 @@ class RunConfig:
 
     def layout_for(self, role: str) -> LayoutConfig:
         """The Megatron layout of a trained or forward-only role ("actor", "critic", "ref", "reward_model")."""
-        if role not in ("actor", "critic", "ref", "reward_model"):
+        if role not in MEGATRON_ROLES:
             raise ValueError(f"role {role!r} has no Megatron layout; roles with one: actor, critic, ref, reward_model")
         own = getattr(self, role).layout
         return self.actor.layout if own is None else own

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config.errors import ConfigError, show
-from megarl.config.schema import LayoutConfig, RunConfig
+from megarl.config.schema import MEGATRON_ROLES, LayoutConfig, RunConfig
 
 # Built-in estimators whose baseline comes from the other samples of the same prompt.
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline", "prime")
@@ -37,7 +37,7 @@ CRITIC_ESTIMATORS = ("gae",)
 DATA_SUFFIXES = (".parquet", ".jsonl")
 # Keys whose bad values make the parallel-size cross-checks meaningless.
 _SIZE_KEYS = ("rollout.n=", "rollout.tp=", "data.batch_size=", "cluster.") + tuple(
-    f"{role}.{k}=" for role in ("actor", "critic", "ref", "reward_model") for k in ("micro_batch_size", "mini_batch_size")
+    f"{role}.{k}=" for role in MEGATRON_ROLES for k in ("micro_batch_size", "mini_batch_size")
 )
 
 

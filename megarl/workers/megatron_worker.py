@@ -28,8 +28,7 @@ from megarl.workers.batch import (MicroBatching, data_parallel_rows, make_micro_
                                   make_shared_prompt_micro_batch, packed_row_length, padded_length, prompt_groups,
                                   response_mask, shared_prompt_row_length)
 
-ROLES = ("actor", "ref", "critic", "reward_model")
-VALUE_ROLES = ("critic", "reward_model")  # a scalar head instead of the LM head
+from megarl.config.schema import MEGATRON_ROLES, VALUE_ROLES
 
 
 @dataclasses.dataclass
@@ -130,8 +129,8 @@ class MegatronWorker:
         from parallel.hf_io import HFCheckpoint
         from parallel.layout import build_model_chunks, initialize_megatron
 
-        if spec.role not in ROLES:
-            raise ValueError(f"unknown role {spec.role!r}; roles: {list(ROLES)}")
+        if spec.role not in MEGATRON_ROLES:
+            raise ValueError(f"unknown role {spec.role!r}; roles: {list(MEGATRON_ROLES)}")
         if self.layout is None:
             initialize_megatron(spec.layout, seed=seed)
             self.layout = spec.layout
