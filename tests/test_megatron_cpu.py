@@ -58,13 +58,21 @@ def test_layout_trains_like_single_rank(name):
     assert losses == pytest.approx([s["loss"] for s in reference], rel=1e-4), name
     for history in histories:  # every rank agrees on the (model-parallel reduced) grad norm
         norms = [s["grad_norm"] for s in history]
-        assert norms == pytest.approx([s["grad_norm"] for s in reference], rel=1e-3), name
+        # The first step runs on the same weights; after it, Adam turns rounding-level gradient
+        # differences (another summation order per layout) into weight differences that grow
+        # step by step, by how much depends on the CPU's kernels: 1.6e-3 by the 8th step on an
+        # AVX-512 EPYC, under 1e-3 elsewhere. A misplaced shard is off by O(1) from step 1.
+        assert norms[0] == pytest.approx(reference[0]["grad_norm"], rel=1e-5), name
+        assert norms == pytest.approx([s["grad_norm"] for s in reference], rel=5e-3), name
 
 
 def test_distributed_optimizer_matches_plain_adam():
     # Tighter than the cross-layout check: same layout, only the optimizer's sharding differs
     # (reduce-scatter + all-gather instead of all-reduce changes the summation order only).
+    # Step 1 is compared at 1e-6; later steps at 1e-5 (1.4e-6 seen by the 8th step on an AVX-512
+    # EPYC: Adam amplifies the rounding, see test_layout_trains_like_single_rank).
     plain, distributed = train("dp2"), train("dp2_distopt")
     for a, b in zip(plain, distributed):
-        assert [s["loss"] for s in a] == pytest.approx([s["loss"] for s in b], rel=1e-6)
+        assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-6)
+        assert [s["loss"] for s in a] == pytest.approx([s["loss"] for s in b], rel=1e-5)
         assert [s["grad_norm"] for s in a] == pytest.approx([s["grad_norm"] for s in b], rel=1e-4)
