@@ -586,9 +586,10 @@ class _PostImportPatch(importlib.abc.MetaPathFinder):
 def install_scheduler_patch() -> None:
     """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class,
     batch the torch-native backend's attention (:mod:`megarl.rollout.batched_attention`) and sample
-    by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) in this process: now for a module imported already, otherwise right after its import. Run at
-    interpreter start (before SGLang is imported) in every process of an engine by the
-    ``sitecustomize`` in ``parallel/cpu_stubs/site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
+    by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) in this process: now for a module
+    imported already, otherwise right after its import. Run at interpreter start (before SGLang
+    is imported) in every process of an engine by the ``sitecustomize`` in
+    ``parallel/cpu_stubs/site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
     Imports nothing of SGLang itself. Idempotent."""
     from megarl.rollout.batched_attention import BACKEND_MODULE, patch_backend_module
     from megarl.rollout.inverse_cdf_sampling import SAMPLER_MODULE, patch_sampler_module

@@ -146,15 +146,16 @@ def shared_prompt_row_length(batch: dict, group: list[int]) -> int:
     return prompt - 1 + sum(1 + int(batch["response_lengths"][row]) for row in group)
 
 
-def make_shared_prompt_micro_batch(batch: dict, rows: list[int], length: int, num_groups: int) -> dict:
-    """Rows ``rows`` of ``batch`` as ``num_groups`` shared-prefix rows of ``length`` tokens
-    (``parallel.shared_prefix``): one per prompt, each sample a branch made of the prompt's last
-    token and its response, at the positions it has in its own sequence. Same fields as
-    ``make_micro_batch`` plus ``position_ids`` and ``tree_mask`` (the attention mask);
-    ``gather_index`` holds positions in the flattened ``[num_groups * length]`` outputs."""
+def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length: int, num_groups: int) -> dict:
+    """The rows of ``groups`` (``prompt_groups`` of a micro-batch's rows) as ``num_groups``
+    shared-prefix rows of ``length`` tokens (``parallel.shared_prefix``): one per group, each
+    sample a branch made of the prompt's last token and its response, at the positions it has in
+    its own sequence. Same fields as ``make_micro_batch`` (samples in group order) plus
+    ``position_ids`` and ``tree_mask`` (the attention mask); ``gather_index`` holds positions in
+    the flattened ``[num_groups * length]`` outputs."""
     from parallel.shared_prefix import PADDING, PREFIX, tree_attention_mask
 
-    groups = prompt_groups(batch, rows)
+    rows = [row for group in groups for row in group]
     if len(groups) > num_groups:
         raise ValueError(f"rows {rows} hold {len(groups)} prompts, more than the {num_groups} rows asked for")
     tokens = torch.zeros(num_groups, length, dtype=torch.long)

@@ -27,7 +27,6 @@ import torch
 from megarl.workers.batch import (MicroBatching, data_parallel_rows, make_micro_batch, make_packed_micro_batch,
                                   make_shared_prompt_micro_batch, packed_row_length, padded_length, prompt_groups,
                                   response_mask, shared_prompt_row_length)
-
 from megarl.config.schema import MEGATRON_ROLES, VALUE_ROLES
 
 
@@ -206,16 +205,15 @@ class MegatronWorker:
             return [make_packed_micro_batch(batch, rows, padded_length(length, row_multiple), slot)
                     for rows, length in zip(mine, row_lengths)]
         if model.spec.batching.shared_prompts:  # one row per prompt, its samples as branches
-            groups = [[prompt_groups(batch, rows) for rows in share] for share in plan]
             row_length = lambda gs: max([shared_prompt_row_length(batch, g) for g in gs] or [1])  # noqa: E731
-            if pipelined:  # one shape for every micro-batch of the pipeline
-                longest = max(row_length(gs) for share in groups for gs in share)
-                most = max(max(len(gs), 1) for share in groups for gs in share)
-                shapes = [(longest, most)] * len(mine)
+            groups = [prompt_groups(batch, rows) for rows in mine]
+            if pipelined:  # one shape for every micro-batch of the pipeline, all replicas'
+                everyone = [prompt_groups(batch, rows) for share in plan for rows in share]
+                shapes = [(max(map(row_length, everyone)), max(max(len(gs), 1) for gs in everyone))] * len(mine)
             else:
-                shapes = [(row_length(gs), max(len(gs), 1)) for gs in groups[dp_rank]]
-            return [make_shared_prompt_micro_batch(batch, rows, padded_length(length, multiple), count)
-                    for rows, (length, count) in zip(mine, shapes)]
+                shapes = [(row_length(gs), max(len(gs), 1)) for gs in groups]
+            return [make_shared_prompt_micro_batch(batch, gs, padded_length(length, multiple), count)
+                    for gs, (length, count) in zip(groups, shapes)]
         micro = []
         for rows in mine:
             longest = longest_all if pipelined else max([lengths[r] for r in rows] or [1])

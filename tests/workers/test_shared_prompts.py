@@ -6,7 +6,7 @@ transformers' and the padded layout's is tests/workers/test_megatron_worker.py.)
 
 import torch
 
-from megarl.workers.batch import make_shared_prompt_micro_batch, response_mask, shared_prompt_row_length
+from megarl.workers.batch import make_shared_prompt_micro_batch, prompt_groups, response_mask, shared_prompt_row_length
 from tests.workers.test_megatron_worker import rollout_batch
 
 
@@ -19,7 +19,7 @@ def test_each_sample_sees_exactly_its_own_sequence():
     batch = rollout_batch(200)
     rows = [0, 1, 2, 3, 4]  # prompts A A B B C: three rows
     length = max(shared_prompt_row_length(batch, g) for g in ([0, 1], [2, 3], [4])) + 3  # with padding
-    mb = make_shared_prompt_micro_batch(batch, rows, length, num_groups=4)  # one filler row
+    mb = make_shared_prompt_micro_batch(batch, prompt_groups(batch, rows), length, num_groups=4)  # a filler row
     assert mb["tokens"].shape == (4, length) and mb["tree_mask"].shape == (4, 1, length, length)
     assert shared_prompt_row_length(batch, [0, 1]) < sum(len(s) for s in _own_sequences(batch, [0, 1]))
 
@@ -46,7 +46,7 @@ def test_each_sample_sees_exactly_its_own_sequence():
 def test_rows_with_one_token_prompts_and_empty_responses():
     batch = {"input_ids": torch.tensor([[7, 8, 9], [7, 0, 0], [7, 5, 0]]),
              "prompt_lengths": torch.tensor([1, 1, 1]), "response_lengths": torch.tensor([2, 0, 1])}
-    mb = make_shared_prompt_micro_batch(batch, [0, 1, 2], shared_prompt_row_length(batch, [0, 1, 2]), 1)
+    mb = make_shared_prompt_micro_batch(batch, [[0, 1, 2]], shared_prompt_row_length(batch, [0, 1, 2]), 1)
     assert mb["tokens"].tolist() == [[7, 8, 9, 7, 7, 5]]
     assert mb["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1]]
     assert mb["gather_index"].tolist() == [[0, 1], [0, 0], [4, 0]]
@@ -57,8 +57,6 @@ def test_rows_with_one_token_prompts_and_empty_responses():
 def test_a_prompt_drawn_twice_is_cut_into_groups_of_the_usual_size():
     """Four samples of A (drawn twice in the step), two of B and C: groups of two, so no row is
     twice as long as the others (all rows are padded to the longest)."""
-    from megarl.workers.batch import prompt_groups
-
     prompts = [[1, 2], [1, 2], [3], [3], [1, 2], [1, 2], [4, 5, 6], [4, 5, 6]]
     ids = torch.tensor([p + [9] * (4 - len(p)) for p in prompts])
     batch = {"input_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts]),
