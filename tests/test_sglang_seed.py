@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from megarl.rollout import SGLangEngine
+from megarl.rollout.engine_worker import prefill_shared_prompts
 from model_specs.presets import PRESETS, save_tiny_hf_model
 from parallel.cpu_stubs import SITE_DIR
 
 SEED = 1234
 N_PROMPTS, NEW_TOKENS = 16, 8
+SAMPLES_PER_PROMPT = 4  # the rollout.n copies of each prompt in the prefix-cache check
 SAMPLING = {"temperature": 1.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 ENGINE_KW = dict(tp_size=1, startup_timeout_s=240, call_timeout_s=120)
 # The first token of one prompt, drawn many times at a low temperature (a peaked distribution).
@@ -67,7 +69,14 @@ def first_engine_runs(model_dir):
         d = _sample(eng)
         first = [eng.generate([_prompts()[0]] * FIRST_TOKEN_DRAWS, FIRST_TOKEN_SAMPLING)
                  for _ in range(FIRST_TOKEN_CALLS)]
-    return {"A": a, "B": b, "C": c, "D": d, "first_tokens": [o["output_ids"][0] for call in first for o in call]}
+        repeated = [p for p in _prompts() for _ in range(SAMPLES_PER_PROMPT)]
+        eng.reseed(SEED)
+        cold = eng.generate(repeated, SAMPLING, return_logprob=True)
+        eng.reseed(SEED)
+        prefilled = prefill_shared_prompts(eng, repeated)
+        warm = eng.generate(repeated, SAMPLING, return_logprob=True)
+    return {"A": a, "B": b, "C": c, "D": d, "first_tokens": [o["output_ids"][0] for call in first for o in call],
+            "repeated": repeated, "cold": cold, "warm": warm, "prefilled": prefilled}
 
 
 @pytest.mark.timeout(400)
@@ -104,6 +113,21 @@ def test_reseed_replays_on_the_same_engine(first_engine_runs):
 def test_other_seed_samples_differently(first_engine_runs):
     a, d = _tokens(first_engine_runs["A"]), _tokens(first_engine_runs["D"])
     assert sum(x != y for x, y in zip(a, d)) >= N_PROMPTS // 2, (a, d)
+
+
+@pytest.mark.timeout(400)
+def test_prefilled_prompts_sample_the_same_tokens_from_the_cache(first_engine_runs):
+    """``prefill_shared_prompts`` (what a rollout does before generating ``n`` samples per prompt):
+    every sample then takes all but its prompt's last token from the prefix cache, where one
+    batch of copies shares nothing (the control), and samples exactly what it samples without."""
+    runs = first_engine_runs
+    assert runs["prefilled"] == N_PROMPTS
+    assert [o["cached_tokens"] for o in runs["cold"]] == [0] * len(runs["repeated"])
+    assert [o["cached_tokens"] for o in runs["warm"]] == [len(p) - 1 for p in runs["repeated"]]
+    assert [o["output_ids"] for o in runs["warm"]] == [o["output_ids"] for o in runs["cold"]]
+    gap = max(abs(x - y) for w, c in zip(runs["warm"], runs["cold"])
+              for x, y in zip(w["output_logprobs"], c["output_logprobs"]))
+    assert gap < 1e-5, gap
 
 
 @pytest.mark.timeout(400)

@@ -425,6 +425,8 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     log(f"load average {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} on {os.cpu_count()} CPUs; "
         f"{args.threads} threads per side")
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench_rl_", dir=args.workdir))
     cases: list[dict] = []
     succeeded = False

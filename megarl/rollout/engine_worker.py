@@ -29,6 +29,7 @@ class RolloutWorker:
         elif self._stale_prefix_cache:
             self.engine.call("flush_cache")
         self._stale_prefix_cache = False
+        prefill_shared_prompts(self.engine, prompts)
         return self.engine.generate(prompts, sampling_params, return_logprob=True)
 
     def update_weights(self, *per_rank: dict[str, tuple] | None) -> dict[str, float]:
@@ -50,3 +51,21 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def prefill_shared_prompts(engine: SGLangEngine, prompts: list[list[int]]) -> int:
+    """Put every prompt that occurs more than once (``rollout.n`` samples of it) into the engine's
+    prefix cache, one prefill of each, so that its samples then prefill only their last token.
+    SGLang's scheduler does not share a prefix between requests of one batch: 128 samples of 16
+    five-token prompts otherwise prefill 640 tokens instead of 80 + 128. Sampling is untouched (a
+    prefill without new tokens draws nothing). Returns the number of prompts prefilled (none when
+    the engine runs without a prefix cache)."""
+    from collections import Counter
+
+    if engine.engine_kwargs.get("disable_radix_cache"):
+        return 0
+    counts = Counter(tuple(p) for p in prompts)
+    shared = [list(p) for p, count in counts.items() if count > 1 and len(p) > 1]
+    if shared:
+        engine.generate(shared, {"max_new_tokens": 0})
+    return len(shared)

@@ -315,8 +315,9 @@ class SGLangEngine:
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict | list[dict],
                  return_logprob: bool = False, timeout_s: float | None = None) -> list[dict]:
-        """One dict per prompt: ``output_ids``, ``finish_reason`` and, with ``return_logprob``,
-        ``output_logprobs`` (log-prob of each output token)."""
+        """One dict per prompt: ``output_ids``, ``finish_reason``, ``cached_tokens`` (prompt tokens
+        whose KV came from the prefix cache) and, with ``return_logprob``, ``output_logprobs``
+        (log-prob of each output token)."""
         return self.call("generate", input_ids, sampling_params, return_logprob, timeout_s=timeout_s)
 
     def reseed(self, seed: int, timeout_s: float | None = None) -> None:
@@ -611,7 +612,8 @@ def _do_generate(engine, input_ids, sampling_params, return_logprob):
     results = []
     for out in [outs] if isinstance(outs, dict) else outs:
         meta = out["meta_info"]
-        res = {"output_ids": list(out["output_ids"]), "finish_reason": meta.get("finish_reason")}
+        res = {"output_ids": list(out["output_ids"]), "finish_reason": meta.get("finish_reason"),
+               "cached_tokens": int(meta.get("cached_tokens", 0))}
         if return_logprob:
             res["output_logprobs"] = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
         results.append(res)
