@@ -220,8 +220,10 @@ class Trainer:
         where = (f"on their own pool {r.pool!r}" if r.placement == "separate" else "colocated")
         pools = "; ".join(f"pool {pool!r}: {len(self.groups[pool])} rank(s) of {'+'.join(roles)} "
                           f"(layout {cfg.layout_for(roles[0])})" for pool, roles in worker_groups(cfg).items())
+        rows = ("one per prompt, its samples as branches (shared prompts)" if cfg.shared_prompt_rows
+                else "one packed row per micro-batch" if cfg.actor.sequence_packing else "one per sample")
         self.log(f"megarl: Megatron {pools}; {num_engines} SGLang engine(s) of TP={r.tp} {where}; "
-                 f"model {self.model_dir}")
+                 f"model {self.model_dir}; rows: {rows}")
 
     def _setup_models(self) -> None:
         import ray
@@ -239,7 +241,7 @@ class Trainer:
                                   clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                                   entropy_coef=a.entropy_coef, kl_coef=kl.coef if kl.enabled else 0.0,
                                   kl_estimator=kl.estimator, kl_clamp=kl.clamp)
-        packed, shared = a.sequence_packing, a.shared_prompts
+        packed, shared = a.sequence_packing, cfg.shared_prompt_rows
         specs = [ModelSpec("actor", self.model_dir, layout,
                            MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch, packed, shared),
                            a.optim, cfg.trainer.total_steps * steps_per_rl_step, actor_loss, cfg.model.dtype)]

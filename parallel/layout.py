@@ -146,12 +146,13 @@ def megatron_config(
     )
 
 
-def layer_spec(config, layout: MegatronLayout, packed_sequences: bool = False):
+def layer_spec(config, layout: MegatronLayout, packed_sequences: bool = False, shared_prompts: bool = False):
     """The transformer-layer spec: megatron's local spec (pure torch; runs on CPU), with the core
     attention replaced by the project's context-parallel attention when ``layout.cp > 1`` or
     ``packed_sequences`` (megatron's local DotProductAttention refuses both CP and
-    packed_seq_params; only Transformer Engine's does them). The attention has no parameters, so
-    both specs hold the same weights and checkpoints.
+    packed_seq_params; only Transformer Engine's does them), or by the shared-prefix rows'
+    attention when ``shared_prompts`` (``parallel.shared_prefix``). The attention has no
+    parameters, so all specs hold the same weights and checkpoints.
 
     Branch point for GPUs: with Transformer Engine installed, megatron's
     ``get_gpt_layer_with_transformer_engine_spec`` (TEDotProductAttention does CP natively, with
@@ -163,11 +164,16 @@ def layer_spec(config, layout: MegatronLayout, packed_sequences: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    if layout.cp > 1 or packed_sequences:
+    if shared_prompts and (layout.cp > 1 or packed_sequences):
+        raise ValueError(f"shared-prompt rows need context parallelism 1 (cp={layout.cp}) and padded rows "
+                         f"(packed_sequences={packed_sequences}); turn shared_prompts off")
+    if layout.cp > 1 or packed_sequences or shared_prompts:
         from parallel.context_parallel import ContextParallelAttention
+        from parallel.shared_prefix import SharedPrefixAttention
 
         spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+        attention = SharedPrefixAttention if shared_prompts else ContextParallelAttention
+        spec.submodules.self_attention.submodules.core_attention = attention
     return spec
 
 
@@ -177,13 +183,15 @@ def build_model_chunks(
     params_dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
     packed_sequences: bool = False,
+    shared_prompts: bool = False,
     **config_overrides: Any,
 ) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage) for an HF config.
 
     Weights are initialised on the CPU from the full tensors and then split (megatron's
     ``use_cpu_initialization``), so the same seed gives the same model at every layout.
-    ``packed_sequences``: the chunks accept ``packed_seq_params`` (see parallel.packing).
+    ``packed_sequences``: the chunks accept ``packed_seq_params`` (see parallel.packing);
+    ``shared_prompts``: shared-prefix rows' segment ids as ``attention_mask`` (parallel.shared_prefix).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -194,7 +202,7 @@ def build_model_chunks(
     config = megatron_config(hf_config, layout, params_dtype, **config_overrides)
     model_kwargs = family.gpt_model_kwargs(hf_config)
     model_kwargs["vocab_size"] = padded_vocab_size(model_kwargs["vocab_size"], make_vocab_size_divisible_by, layout.tp)
-    spec = layer_spec(config, layout, packed_sequences)
+    spec = layer_spec(config, layout, packed_sequences, shared_prompts)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None

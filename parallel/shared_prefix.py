@@ -7,39 +7,133 @@ A shared-prefix row holds the prefix once, then each continuation as a *branch*:
     [prefix][branch 1][branch 2]...[branch n][padding]
 
 and every token sees exactly what it would see in its own row: a branch token attends to the
-prefix and to its own branch up to itself (a tree mask, :func:`tree_attention_mask`), at the
-position it would have there (RoPE at per-token positions, :func:`rotary_positions`). Outputs
-are then those of the separate rows (within float rounding), and so are the gradients: the
-prefix's activations receive the sum of what the ``n`` copies would have received.
+prefix and to its own branch up to itself (:func:`branch_attention`), at the position it would
+have there (RoPE at per-token positions, :func:`rotary_positions`). Outputs are then those of
+the separate rows (within float rounding), and so are the gradients: the prefix's activations
+receive the sum of what the ``n`` copies would have received.
+
+Attention is computed per branch, over [prefix keys ; own branch keys]: n * L * (P + L) scores
+per row, fewer than the n * (P + L)^2 of n separate rows (a dense tree mask over the row would
+cost (P + n * L)^2, more than the separate rows once responses are long).
 
 Megatron's GPTModel takes ``position_ids`` but computes RoPE for positions ``0..s-1`` of every
-row; :func:`rotary_positions` makes one forward use the given per-token positions instead.
-The tree mask goes in as ``attention_mask`` (megatron's local ``DotProductAttention`` applies a
-given mask as is), so this works at any TP/PP/VPP and with sequence parallelism, not with
-context parallelism or packed (thd) rows, whose attention builds its own causal mask.
+row; :func:`rotary_positions` makes one forward use the given per-token positions instead. The
+rows' segment ids go in as ``attention_mask``, which megatron hands to the core attention as is;
+``layer_spec(..., shared_prompts=True)`` puts :class:`SharedPrefixAttention` there. Works at any
+TP/PP/VPP and with sequence parallelism (the core attention sees whole rows), not with context
+parallelism or packed (thd) rows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
+
+from parallel.context_parallel import ContextParallelAttention
 
 PADDING = -1  # segment id of padding tokens
 PREFIX = 0  # segment id of the shared prefix; branches are 1, 2, ...
 
 
-def tree_attention_mask(segments: torch.Tensor) -> torch.Tensor:
-    """``[rows, 1, s, s]`` bool, True where query i must NOT see key j, for rows whose tokens
-    carry ``segments`` [rows, s] (PREFIX, branch ids, PADDING): key j is visible when it comes
-    first (j <= i) and is in the prefix or in query i's own segment. Padding sees padding and the
-    prefix (never a branch), so no query's row is empty and no real token sees padding."""
-    s = segments.shape[1]
-    index = torch.arange(s)
-    earlier = index[None, :] <= index[:, None]  # [q, k]
-    keys, queries = segments[:, None, :], segments[:, :, None]
-    visible = earlier & ((keys == PREFIX) | (keys == queries))
-    return ~visible[:, None]
+@dataclasses.dataclass
+class BranchIndex:
+    """Where the prefix and the branches of shared-prefix rows are, as positions in the flattened
+    ``[rows * s]`` tokens: ``prefix`` [rows, P] (each row's prefix, padded to the longest P),
+    ``branches`` [n, L] (every branch of every row, padded to the longest L), ``branch_row`` [n]
+    (the row of each branch); the ``*_valid`` masks tell real slots from padding."""
+
+    prefix: torch.Tensor
+    prefix_valid: torch.Tensor
+    branches: torch.Tensor
+    branch_valid: torch.Tensor
+    branch_row: torch.Tensor
+
+    @classmethod
+    def from_segments(cls, segments: torch.Tensor) -> "BranchIndex":
+        """From ``segments`` [rows, s]: each row's PREFIX tokens first, then its branches (ids
+        1, 2, ... in contiguous runs), then PADDING."""
+        rows, s = segments.shape
+        flat = torch.arange(rows * s, device=segments.device).view(rows, s)
+        prefix_len = (segments == PREFIX).sum(1)
+        span = torch.arange(max(int(prefix_len.max()), 1), device=segments.device)
+        prefix, prefix_valid = flat[:, span.clamp(max=s - 1)], span[None] < prefix_len[:, None]
+        in_branch = segments > PREFIX
+        row_of = torch.arange(rows, device=segments.device)[:, None].expand(rows, s)[in_branch]
+        branch_key = row_of * (int(segments.max()) + 1) + segments[in_branch]  # (row, branch), in token order
+        _, branch_of, counts = torch.unique_consecutive(branch_key, return_inverse=True, return_counts=True)
+        starts = counts.cumsum(0) - counts
+        within = torch.arange(len(branch_key), device=segments.device) - starts[branch_of]
+        branches = torch.zeros(len(counts), int(counts.max()) if len(counts) else 1, dtype=torch.long,
+                               device=segments.device)
+        branch_valid = torch.zeros(branches.shape, dtype=torch.bool, device=segments.device)
+        branches[branch_of, within] = flat[in_branch]
+        branch_valid[branch_of, within] = True
+        return cls(prefix, prefix_valid, branches, branch_valid, row_of[starts])
+
+
+def branch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor,
+                     softmax_scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal self-attention of shared-prefix rows: ``query`` [s, rows, np, hn], ``key``/``value``
+    [s, rows, ng, hn], ``segments`` [rows, s] -> context [s, rows, np * hn].
+
+    A prefix token attends to the prefix up to itself; a branch token to the whole prefix and to
+    its own branch up to itself; padding tokens get a zero context. Computed per branch (one SDPA
+    over [prefix keys ; branch keys] for all branches at once), so the scores cost
+    n * L * (P + L) per row instead of the (P + n * L)^2 of the row's dense mask."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    s, rows, heads, dim = query.shape
+    index = BranchIndex.from_segments(segments)
+    flat = lambda t: t.transpose(0, 1).reshape(rows * s, t.shape[2], dim)  # noqa: E731
+    q, k, v = flat(query), flat(key), flat(value)
+    repeat = heads // k.shape[1]  # GQA: query heads per key/value head
+
+    def attend(queries, keys, allowed):  # [n, Lq], [n, Lk] flat positions; allowed [n, Lq, Lk]
+        gather = lambda t, at: t[at].permute(0, 2, 1, 3).repeat_interleave(repeat, 1)  # noqa: E731
+        return scaled_dot_product_attention(q[queries].permute(0, 2, 1, 3), gather(k, keys), gather(v, keys),
+                                            attn_mask=allowed[:, None], dropout_p=dropout_p,
+                                            scale=softmax_scale).permute(0, 2, 1, 3)  # [n, Lq, np, hn]
+
+    def causal(valid):  # [n, L] -> [n, L, L]: key j <= query i and real (key 0 always: no empty row)
+        earlier = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool, device=valid.device).tril()
+        keep = valid.clone()
+        keep[:, 0] = True
+        return earlier[None] & keep[:, None, :]
+
+    prefix_out = attend(index.prefix, index.prefix, causal(index.prefix_valid))
+    prefix_keys = index.prefix[index.branch_row]
+    allowed = torch.cat([index.prefix_valid[index.branch_row][:, None, :].expand(-1, index.branches.shape[1], -1),
+                         causal(index.branch_valid)], dim=2)
+    branch_out = attend(index.branches, torch.cat([prefix_keys, index.branches], 1), allowed)
+    context = q.new_zeros(rows * s, heads, dim)
+    context = context.index_put((index.prefix[index.prefix_valid],), prefix_out[index.prefix_valid])
+    context = context.index_put((index.branches[index.branch_valid],), branch_out[index.branch_valid])
+    return context.view(rows, s, heads * dim).transpose(0, 1).contiguous()
+
+
+class SharedPrefixAttention(ContextParallelAttention):
+    """Drop-in ``core_attention`` for megatron's local spec (``layer_spec(..., shared_prompts=True)``):
+    given the rows' ``segments`` [rows, s] as ``attention_mask``, :func:`branch_attention`; without
+    one, plain causal attention (ContextParallelAttention's, at CP 1)."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        from megatron.core import tensor_parallel
+
+        if attention_mask is None:
+            return super().forward(query, key, value, None, attn_mask_type, attention_bias, packed_seq_params)
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("shared-prefix rows take no attention_bias or packed_seq_params")
+        if attention_mask.dtype == torch.bool or attention_mask.shape != (query.shape[1], query.shape[0]):
+            raise ValueError(f"SharedPrefixAttention takes the rows' segment ids [rows, s] as attention_mask, "
+                             f"got {attention_mask.dtype} {tuple(attention_mask.shape)}")
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        if dropout_p and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # as DotProductAttention does
+                return branch_attention(query, key, value, attention_mask, self.softmax_scale, dropout_p)
+        return branch_attention(query, key, value, attention_mask, self.softmax_scale, dropout_p)
 
 
 @contextlib.contextmanager

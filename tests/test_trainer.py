@@ -5,7 +5,7 @@
 - resume: a driver SIGKILLed after its step-2 checkpoint, resumed, gives the same steps 3-4 as an
   uninterrupted run, and no process of the killed run survives;
 - pools: engines and reference on ranks of their own give the same steps as colocated ones;
-- shared-prompt rows give the padded run's first step;
+- padded rows (one per sample) give the first step of the default shared-prompt rows;
 - a reward model (on its own pool) scores every sample as HF's sequence classifier does;
 - PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
   a SIGTERM makes the driver finish its step, save a checkpoint and exit with status 143;
@@ -111,6 +111,7 @@ def uninterrupted(prompts, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     code, output = _run(_overrides(prompts, out, **FOUR_STEPS) + ["--no-export"])
     assert code == 0, output[-3000:]
+    assert "rows: one per prompt, its samples as branches" in output, output[-3000:]  # the default at n > 1
     return {m["step"]: m for m in _metrics(out)}
 
 
@@ -165,15 +166,16 @@ def test_every_role_on_a_pool_of_its_own_matches_the_colocated_run(prompts, unin
     assert steps[4]["actor/kl_loss"] > 1e-6  # the reference's log-probs are in the compared loss
 
 
-def test_shared_prompt_rows_give_the_padded_runs_first_step(prompts, uninterrupted, tmp_path):
-    """actor.shared_prompts (each prompt once, its samples as branches) for the actor and the
-    reference: the first step (same rollouts: same initial weights and seed) has the padded run's
-    losses, entropy, KL and grad norm. Later steps sample from weights that differ by rounding,
-    amplified by Adam, so they are not compared."""
-    shared = {**FOUR_STEPS, "trainer.total_steps": 2, "trainer.save_every": 0, "actor.shared_prompts": "true"}
-    code, output = _run(_overrides(prompts, tmp_path / "shared", **shared) + ["--no-export"])
+def test_padded_rows_give_the_shared_prompt_runs_first_step(prompts, uninterrupted, tmp_path):
+    """actor.shared_prompts=false (a row per sample) for the actor and the reference, against the
+    default (rollout.n > 1: each prompt once, its samples as branches): the first step (same
+    rollouts: same initial weights and seed) has the same losses, entropy, KL and grad norm. Later
+    steps sample from weights that differ by rounding, amplified by Adam, so they are not compared."""
+    padded = {**FOUR_STEPS, "trainer.total_steps": 2, "trainer.save_every": 0, "actor.shared_prompts": "false"}
+    code, output = _run(_overrides(prompts, tmp_path / "padded", **padded) + ["--no-export"])
     assert code == 0, output[-3000:]
-    _assert_same_steps({m["step"]: m for m in _metrics(tmp_path / "shared")}, uninterrupted, (1,))
+    assert "rows: one per sample" in output, output[-3000:]
+    _assert_same_steps({m["step"]: m for m in _metrics(tmp_path / "padded")}, uninterrupted, (1,))
 
 
 SHIFTED_REWARD = """

@@ -107,11 +107,12 @@ class ActorConfig:
     # Megatron model of the run (actor, reference, critic); false = right-padded rows.
     sequence_packing: bool = False
     # Compute each prompt once for all its rollout.n samples, for every Megatron model of the run:
-    # one row per prompt holding the prompt and each sample's response as a branch (tree attention
-    # mask, per-token RoPE positions; exact: parallel/shared_prefix.py). Fewer tokens through the
-    # linear layers (prompt x (n-1) per prompt), but attention spans the whole row, so it pays for
-    # short responses and long prompts. Not with sequence_packing or context parallelism.
-    shared_prompts: bool = False
+    # one row per prompt holding the prompt and each sample's response as a branch that attends
+    # to the prompt and itself (exact: parallel/shared_prefix.py). Fewer tokens through the model
+    # (the prompt x (n-1) per prompt) and fewer attention scores than a row per sample. null (the
+    # default) = on whenever rollout.n > 1 and nothing rules it out: sequence_packing and context
+    # parallelism (any role's) are other row layouts; true there is an error.
+    shared_prompts: bool | None = None
     # Prompts per optimizer step (each with rollout.n samples); null = data.batch_size (one
     # optimizer step per epoch over the batch).
     mini_batch_size: int | None = None
@@ -347,6 +348,15 @@ class RunConfig:
     def needs_reference(self) -> bool:
         """A reference model runs: asked for, or needed by a KL loss term or KL reward penalty."""
         return self.ref.enabled or self.actor.kl_loss.enabled or self.algorithm.kl_penalty.enabled
+
+    @property
+    def shared_prompt_rows(self) -> bool:
+        """Whether the Megatron models get shared-prompt rows: ``actor.shared_prompts``, or when
+        it is null, ``rollout.n > 1`` without sequence packing or context parallelism."""
+        if self.actor.shared_prompts is not None:
+            return self.actor.shared_prompts
+        return (self.rollout.n > 1 and not self.actor.sequence_packing
+                and all(self.layout_for(role).cp == 1 for role in self.megatron_roles))
 
     @property
     def megatron_roles(self) -> list[str]:

@@ -151,9 +151,9 @@ def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length:
     shared-prefix rows of ``length`` tokens (``parallel.shared_prefix``): one per group, each
     sample a branch made of the prompt's last token and its response, at the positions it has in
     its own sequence. Same fields as ``make_micro_batch`` (samples in group order) plus
-    ``position_ids`` and ``tree_mask`` (the attention mask); ``gather_index`` holds positions in
-    the flattened ``[num_groups * length]`` outputs."""
-    from parallel.shared_prefix import PADDING, PREFIX, tree_attention_mask
+    ``position_ids`` and ``segments`` (PREFIX, branch ids, PADDING: what the attention needs);
+    ``gather_index`` holds positions in the flattened ``[num_groups * length]`` outputs."""
+    from parallel.shared_prefix import PADDING, PREFIX
 
     rows = [row for group in groups for row in group]
     if len(groups) > num_groups:
@@ -181,6 +181,6 @@ def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length:
     targets = torch.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
     return {"tokens": tokens, "targets": targets, "position_ids": positions,
-            "tree_mask": tree_attention_mask(segments),
+            "segments": segments,
             **_response_rows(batch, rows, max(len(rows), 1), [starts[r] for r in rows]),
             "rows": torch.tensor(list(rows) or [-1])}

@@ -136,20 +136,19 @@ class MegatronWorker:
         elif spec.layout != self.layout:
             raise ValueError(f"{spec.role} layout {spec.layout} differs from this worker's {self.layout}; "
                              "models sharing a worker share its layout")
-        if spec.batching.shared_prompts and (spec.batching.packed or spec.layout.cp > 1):
-            raise ValueError(f"{spec.role}: shared-prompt rows need padded rows (packed={spec.batching.packed}) and "
-                             f"context parallelism 1 (cp={spec.layout.cp}); turn shared_prompts off")
         ckpt = HFCheckpoint(spec.hf_dir)
         dtype = dtype_from_name(spec.dtype)
         if spec.role in VALUE_ROLES:
             from parallel.value_head import build_value_model_chunks, load_hf_into_value_chunks
 
             chunks = build_value_model_chunks(ckpt.config, spec.layout, params_dtype=dtype,
-                                              packed_sequences=spec.batching.packed)
+                                              packed_sequences=spec.batching.packed,
+                                              shared_prompts=spec.batching.shared_prompts)
             load_hf_into_value_chunks(chunks, ckpt, spec.layout)
         else:
             chunks = build_model_chunks(ckpt.config, spec.layout, params_dtype=dtype,
-                                        packed_sequences=spec.batching.packed)
+                                        packed_sequences=spec.batching.packed,
+                                        shared_prompts=spec.batching.shared_prompts)
             load_hf_into_chunks(chunks, ckpt, spec.layout)
         optimizer = None
         if spec.optim is not None:
@@ -238,12 +237,12 @@ class MegatronWorker:
                 output = module(local["tokens"], packed.position_ids[:, mine], attention_mask=None,
                                 packed_seq_params=packed.packed_seq_params())
                 return output, lambda out: loss_of(mb, local, out)
-            if "tree_mask" in mb:  # shared-prompt rows: per-token RoPE positions, tree attention mask
+            if "segments" in mb:  # shared-prompt rows: per-token RoPE positions, attention per branch
                 from parallel.shared_prefix import rotary_positions
 
                 local = {"targets": mb["targets"], "position_ids": mb["position_ids"]}
                 with rotary_positions(module, mb["position_ids"]):
-                    output = module(mb["tokens"], mb["position_ids"], attention_mask=mb["tree_mask"])
+                    output = module(mb["tokens"], mb["position_ids"], attention_mask=mb["segments"])
                 return output, lambda out: loss_of(mb, local, out)
             positions = torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"])
             local = split_for_context_parallel({"tokens": mb["tokens"], "targets": mb["targets"],
@@ -282,7 +281,7 @@ class MegatronWorker:
         index = mb["gather_index"]  # [rows, R] positions; a packed micro-batch is one row of all
         if model.spec.role == "reward_model":
             index = index + 1
-        if "tree_mask" in mb:  # shared-prompt rows: positions in the flattened rows
+        if "segments" in mb:  # shared-prompt rows: positions in the flattened rows
             per_token = {key: value.reshape(1, -1) for key, value in per_token.items()}
         return {key: value.expand(len(index), -1).gather(1, index) for key, value in per_token.items()}
 
