@@ -34,6 +34,7 @@ this module at CP=1 too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -203,8 +204,6 @@ class ContextParallelAttention(MegatronModule):
                 packed_seq_params=None):
         """q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np*hn]; packed ("thd"): q [t, np, hn],
         k/v [t, ng, hn] -> [t, np*hn], as megatron's SelfAttention passes and expects them."""
-        from megatron.core import tensor_parallel
-
         if attention_mask is not None or attention_bias is not None:
             raise NotImplementedError(
                 "ContextParallelAttention takes no attention_mask or attention_bias (the causal mask is "
@@ -215,13 +214,20 @@ class ContextParallelAttention(MegatronModule):
             cu_seqlens = packed_boundaries(packed_seq_params)
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # thd: batch dim 1
         dropout = self.attention_dropout if self.attention_dropout.p > 0 and self.training else None
-        args = (query, key, value, self.softmax_scale, self.cp_group)
-        if dropout is not None and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():  # as DotProductAttention does
-                context = context_parallel_attention(*args, dropout=dropout, cu_seqlens=cu_seqlens)
-        else:
-            context = context_parallel_attention(*args, dropout=dropout, cu_seqlens=cu_seqlens)
+        with self.dropout_rng():
+            context = context_parallel_attention(query, key, value, self.softmax_scale, self.cp_group,
+                                                 dropout=dropout, cu_seqlens=cu_seqlens)
         return context if cu_seqlens is None else context.squeeze(1)
+
+    def dropout_rng(self):
+        """Where attention dropout draws its randoms: megatron's model-parallel RNG (a fork of the
+        tracker) when dropout is on and sequence parallelism off, as DotProductAttention does;
+        otherwise the default generator."""
+        from megatron.core import tensor_parallel
+
+        if self.training and self.attention_dropout.p > 0 and not self.config.sequence_parallel:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
 
 
 def packed_boundaries(packed_seq_params) -> torch.Tensor:

@@ -120,8 +120,6 @@ class SharedPrefixAttention(ContextParallelAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        from megatron.core import tensor_parallel
-
         if attention_mask is None:
             return super().forward(query, key, value, None, attn_mask_type, attention_bias, packed_seq_params)
         if attention_bias is not None or packed_seq_params is not None:
@@ -130,10 +128,8 @@ class SharedPrefixAttention(ContextParallelAttention):
             raise ValueError(f"SharedPrefixAttention takes the rows' segment ids [rows, s] as attention_mask, "
                              f"got {attention_mask.dtype} {tuple(attention_mask.shape)}")
         dropout_p = self.attention_dropout.p if self.training else 0.0
-        if dropout_p and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():  # as DotProductAttention does
-                return branch_attention(query, key, value, attention_mask, self.softmax_scale, dropout_p)
-        return branch_attention(query, key, value, attention_mask, self.softmax_scale, dropout_p)
+        with self.dropout_rng():
+            return branch_attention(query, key, value, attention_mask, self.softmax_scale, dropout_p)
 
 
 @contextlib.contextmanager
