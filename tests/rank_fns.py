@@ -400,3 +400,21 @@ def worker_reward_values(rm_dir, layout_kwargs, batch, micro_batch_size, batchin
 def packed_oracle_tp1(lengths, seed):
     """The single-rank checks in one process (megatron's import dominates a rank's start-up)."""
     return {"logprobs": packed_logprobs([{}], lengths, seed)[0], "grads": packed_loss_grads(lengths, seed + 1)}
+
+
+def vocab_parallel_slice_outputs(logits, targets, vocab_size, grad_logp, grad_entropy):
+    """This TP rank's slice of full ``logits`` through ``vocab_parallel_log_probs`` (TP = world
+    size): log-probs, entropy, and the gradient of sum(grad_logp * logp + grad_entropy * H)
+    with respect to the slice."""
+    from megatron.core import parallel_state
+
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.vocab_parallel import vocab_parallel_log_probs
+
+    initialize_megatron(MegatronLayout(tp=dist.get_world_size()))
+    local = logits.shape[-1] // dist.get_world_size()
+    mine = logits[..., dist.get_rank() * local:(dist.get_rank() + 1) * local].clone().requires_grad_(True)
+    logp, entropy = vocab_parallel_log_probs(mine, targets, vocab_size)
+    ((logp * grad_logp).sum() + (entropy * grad_entropy).sum()).backward()
+    parallel_state.destroy_model_parallel()
+    return {"logp": logp.detach(), "entropy": entropy.detach(), "grad": mine.grad}
