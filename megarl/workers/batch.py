@@ -5,6 +5,8 @@ A batch is a dict of tensors over ``B`` samples:
 - ``input_ids`` ``[B, T]``: prompt then response, right-padded (padding never influences the
   real tokens: attention is causal);
 - ``prompt_lengths`` / ``response_lengths`` ``[B]``;
+- optionally ``input_lengths`` ``[B]``: how many of each sample's tokens the model reads (all by
+  default; ``without_last_tokens``), the rest of the sequence only serving as targets;
 - response-shaped ``[B, R]`` fields (``R`` = the longest response), aligned with response
   token ``j`` of each sample: ``advantages``, ``old_logp``, ``ref_logp``, ``rollout_logp``,
   ``returns``, ``old_values`` (each optional, as the step needs).
@@ -38,6 +40,26 @@ def sequence_lengths(batch: dict) -> torch.Tensor:
     return batch["prompt_lengths"] + batch["response_lengths"]
 
 
+def without_last_tokens(batch: dict) -> dict:
+    """``batch`` whose samples the model reads without their last token (at least one token):
+    a response token's log-prob or value comes from the position before it, so the last token's
+    own output is never used (only a reward model's, which scores the sequence there). Saves
+    one token per sample: 10% of a 128 x (5 + 8)-token update."""
+    return dict(batch, input_lengths=(sequence_lengths(batch) - 1).clamp(min=1))
+
+
+def input_lengths(batch: dict) -> torch.Tensor:
+    """``[B]`` tokens of each sample the model reads: the whole sequence unless the batch says
+    otherwise (``without_last_tokens``)."""
+    return batch["input_lengths"] if "input_lengths" in batch else sequence_lengths(batch)
+
+
+def _following(batch: dict, row: int, start: int, count: int) -> torch.Tensor:
+    """The tokens that follow positions ``start .. start + count - 1`` of sample ``row``: what
+    those positions predict (one fewer where ``input_ids`` ends)."""
+    return batch["input_ids"][row, start + 1: start + 1 + count]
+
+
 def response_mask(batch: dict) -> torch.Tensor:
     """``[B, R]`` float mask of real response tokens."""
     width = int(batch["response_lengths"].max()) if len(batch["response_lengths"]) else 0
@@ -54,7 +76,7 @@ def data_parallel_rows(batch: dict, dp_size: int, batching: MicroBatching) -> li
         raise ValueError(f"a batch of {rows} samples cannot feed {dp_size} data-parallel replicas; "
                          "raise data.batch_size * rollout.n (or the mini-batch size) to at least that")
     if batching.max_tokens is not None:
-        return balanced_micro_batches(sequence_lengths(batch).tolist(), batching.max_tokens, dp_size)
+        return balanced_micro_batches(input_lengths(batch).tolist(), batching.max_tokens, dp_size)
     shares = [share.tolist() for share in torch.arange(rows).tensor_split(dp_size)]
     size = batching.micro_batch_size
     plan = [[share[i:i + size] for i in range(0, len(share), size)] for share in shares]
@@ -68,11 +90,12 @@ def make_micro_batch(batch: dict, rows: list[int], length: int, num_rows: int) -
     (filler rows and positions are padding with no response), plus the index that picks each
     response token's predicting position out of per-token outputs."""
     tokens = torch.zeros(num_rows, length, dtype=torch.long)
-    for slot, row in enumerate(rows):
-        total = int(sequence_lengths(batch)[row])
-        tokens[slot, :total] = batch["input_ids"][row, :total]
     targets = torch.zeros_like(tokens)
-    targets[:, :-1] = tokens[:, 1:]
+    for slot, row in enumerate(rows):
+        total = int(input_lengths(batch)[row])
+        tokens[slot, :total] = batch["input_ids"][row, :total]
+        following = _following(batch, row, 0, total)
+        targets[slot, : len(following)] = following
     return {"tokens": tokens, "targets": targets, **_response_rows(batch, rows, num_rows, [0] * len(rows)),
             "rows": torch.tensor(list(rows) + [-1] * (num_rows - len(rows)))}
 
@@ -101,7 +124,7 @@ def padded_length(length: int, multiple: int) -> int:
 
 def packed_row_length(batch: dict, rows: list[int], slot_multiple: int) -> int:
     """Tokens of ``rows`` packed into one row, each sequence's slot rounded up to ``slot_multiple``."""
-    return sum(padded_length(int(sequence_lengths(batch)[r]), slot_multiple) for r in rows)
+    return sum(padded_length(int(input_lengths(batch)[r]), slot_multiple) for r in rows)
 
 
 def make_packed_micro_batch(batch: dict, rows: list[int], length: int, slot_multiple: int) -> dict:
@@ -110,15 +133,18 @@ def make_packed_micro_batch(batch: dict, rows: list[int], length: int, slot_mult
     fields as ``make_micro_batch``: ``gather_index`` holds row positions, ``packed`` the row."""
     from parallel.packing import pack_sequences
 
-    sequences = [batch["input_ids"][r, : int(sequence_lengths(batch)[r])] for r in rows]
+    sequences = [batch["input_ids"][r, : int(input_lengths(batch)[r])] for r in rows]
     filler = length - packed_row_length(batch, rows, slot_multiple)
     if filler < 0 or filler % slot_multiple:
         raise ValueError(f"a packed row of {length} tokens cannot hold rows {rows} in slots of {slot_multiple}")
     if filler:
         sequences.append(torch.zeros(filler, dtype=torch.long))  # no response: never gathered
     packed = pack_sequences(sequences, pad_to_multiple=slot_multiple)
-    targets, _ = packed.next_token_targets()
     starts = packed.cu_seqlens_padded.tolist()[: len(rows)]
+    targets = torch.zeros_like(packed.tokens)
+    for row, start, sequence in zip(rows, starts, sequences):
+        following = _following(batch, row, 0, len(sequence))
+        targets[0, start: start + len(following)] = following
     return {"tokens": packed.tokens, "targets": targets, **_response_rows(batch, rows, max(len(rows), 1), starts),
             "rows": torch.tensor(list(rows) or [-1]), "packed": packed}
 
@@ -141,9 +167,9 @@ def prompt_groups(batch: dict, rows: list[int]) -> list[list[int]]:
 
 def shared_prompt_row_length(batch: dict, group: list[int]) -> int:
     """Tokens of one shared-prompt row: the prompt but its last token once, then per sample that
-    last token and the response (so every response token's predicting position is its own)."""
+    last token and the rest of its input (so every response token's predicting position is its own)."""
     prompt = int(batch["prompt_lengths"][group[0]])
-    return prompt - 1 + sum(1 + int(batch["response_lengths"][row]) for row in group)
+    return prompt - 1 + sum(int(input_lengths(batch)[row]) - (prompt - 1) for row in group)
 
 
 def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length: int, num_groups: int) -> dict:
@@ -159,6 +185,7 @@ def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length:
     if len(groups) > num_groups:
         raise ValueError(f"rows {rows} hold {len(groups)} prompts, more than the {num_groups} rows asked for")
     tokens = torch.zeros(num_groups, length, dtype=torch.long)
+    targets = torch.zeros_like(tokens)
     positions = torch.zeros_like(tokens)
     segments = torch.full_like(tokens, PADDING)
     starts = {}  # sample row -> where its sequence would start in the flattened outputs
@@ -168,18 +195,19 @@ def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length:
                              f"more than the row's {length}")
         prompt = int(batch["prompt_lengths"][group[0]])
         tokens[g, : prompt - 1] = batch["input_ids"][group[0], : prompt - 1]
+        targets[g, : prompt - 1] = _following(batch, group[0], 0, prompt - 1)
         positions[g, : prompt - 1] = torch.arange(prompt - 1)
         segments[g, : prompt - 1] = PREFIX
         cursor = prompt - 1
         for branch, row in enumerate(group, start=PREFIX + 1):
-            span = slice(cursor, cursor + 1 + int(batch["response_lengths"][row]))
-            tokens[g, span] = batch["input_ids"][row, prompt - 1: prompt - 1 + span.stop - span.start]
-            positions[g, span] = torch.arange(prompt - 1, prompt - 1 + span.stop - span.start)
-            segments[g, span] = branch
+            count = int(input_lengths(batch)[row]) - (prompt - 1)
+            tokens[g, cursor: cursor + count] = batch["input_ids"][row, prompt - 1: prompt - 1 + count]
+            following = _following(batch, row, prompt - 1, count)
+            targets[g, cursor: cursor + len(following)] = following
+            positions[g, cursor: cursor + count] = torch.arange(prompt - 1, prompt - 1 + count)
+            segments[g, cursor: cursor + count] = branch
             starts[row] = g * length + cursor - (prompt - 1)
-            cursor = span.stop
-    targets = torch.zeros_like(tokens)
-    targets[:, :-1] = tokens[:, 1:]
+            cursor += count
     return {"tokens": tokens, "targets": targets, "position_ids": positions,
             "segments": segments,
             **_response_rows(batch, rows, max(len(rows), 1), [starts[r] for r in rows]),

@@ -24,9 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-from megarl.workers.batch import (MicroBatching, data_parallel_rows, make_micro_batch, make_packed_micro_batch,
-                                  make_shared_prompt_micro_batch, packed_row_length, padded_length, prompt_groups,
-                                  response_mask, shared_prompt_row_length)
+from megarl.workers.batch import (MicroBatching, data_parallel_rows, input_lengths, make_micro_batch,
+                                  make_packed_micro_batch, make_shared_prompt_micro_batch, packed_row_length,
+                                  padded_length, prompt_groups, response_mask, shared_prompt_row_length,
+                                  without_last_tokens)
 from megarl.config.schema import MEGATRON_ROLES, VALUE_ROLES
 
 
@@ -205,10 +206,12 @@ class MegatronWorker:
         from megatron.core import parallel_state
 
         layout = model.spec.layout
+        if model.spec.role != "reward_model":  # only a reward model's output at the last token is used
+            batch = without_last_tokens(batch)
         dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         plan = data_parallel_rows(batch, dp_size, model.spec.batching)
         multiple = (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sequence_parallel else 1)
-        lengths = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
+        lengths = input_lengths(batch).tolist()
         pipelined = layout.pp > 1
         longest_all = max(lengths)
         most_rows = max(len(rows) for share in plan for rows in share)
