@@ -352,11 +352,20 @@ class RunConfig:
     @property
     def shared_prompt_rows(self) -> bool:
         """Whether the Megatron models get shared-prompt rows: ``actor.shared_prompts``, or when
-        it is null, ``rollout.n > 1`` without sequence packing or context parallelism."""
+        it is null, ``rollout.n > 1`` and nothing stands in their way."""
         if self.actor.shared_prompts is not None:
             return self.actor.shared_prompts
-        return (self.rollout.n > 1 and not self.actor.sequence_packing
-                and all(self.layout_for(role).cp == 1 for role in self.megatron_roles))
+        return self.rollout.n > 1 and not self.shared_prompt_obstacles
+
+    @property
+    def shared_prompt_obstacles(self) -> list[str]:
+        """Why shared-prompt rows cannot be used (empty: they can): sequence packing, or context
+        parallelism in any Megatron role."""
+        obstacles = ["shared-prompt rows and sequence_packing are two different row layouts"
+                     ] if self.actor.sequence_packing else []
+        return obstacles + [f"shared-prompt rows need context parallelism 1, but the {role}'s layout has "
+                            f"cp={self.layout_for(role).cp} (its attention builds its own causal mask)"
+                            for role in self.megatron_roles if self.layout_for(role).cp > 1]
 
     @property
     def megatron_roles(self) -> list[str]:

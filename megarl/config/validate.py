@@ -461,14 +461,8 @@ def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None) -> None:
         p.add("ref.enabled", False, f"{' and '.join(needs_ref)} need the reference policy",
               "set ref.enabled=true, or turn the KL term off")
     if cfg.actor.shared_prompts:
-        if cfg.actor.sequence_packing:
-            p.add("actor.shared_prompts", True, "shared-prompt rows and sequence_packing are two different row layouts",
-                  "set actor.shared_prompts=false or actor.sequence_packing=false")
-        for role in cfg.megatron_roles:
-            if cfg.layout_for(role).cp > 1:
-                p.add("actor.shared_prompts", True, f"shared-prompt rows need context parallelism 1, but the {role}'s "
-                      f"layout has cp={cfg.layout_for(role).cp} (its attention builds its own causal mask)",
-                      "set actor.shared_prompts=false")
+        for obstacle in cfg.shared_prompt_obstacles:
+            p.add("actor.shared_prompts", True, obstacle, "set actor.shared_prompts=false (or null: on where possible)")
     if hf_config is not None:
         positions = hf_config.get("max_position_embeddings")
         total = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
