@@ -315,8 +315,11 @@ class Trainer:
                   "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
         if stop:
             params["stop_token_ids"] = stop
-        shares = [list(range(len(prompt_ids)))[e::len(self.engines)] for e in range(len(self.engines))]
         import ray
+
+        from megarl.rollout.engine_worker import engine_shares
+
+        shares = engine_shares(len(prompt_ids), len(self.engines))
 
         seed = self.cfg.trainer.seed * 100_003 + self.step
         refs = [engine.generate.remote([prompt_ids[i] for i in share], [params] * len(share), seed + e)

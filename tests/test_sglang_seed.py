@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megarl.rollout import SGLangEngine
-from megarl.rollout.engine_worker import prefill_shared_prompts
+from megarl.rollout.engine_worker import engine_shares, prefill_shared_prompts
 from model_specs.presets import PRESETS, save_tiny_hf_model
 from parallel.cpu_stubs import SITE_DIR
 
@@ -128,6 +128,19 @@ def test_prefilled_prompts_sample_the_same_tokens_from_the_cache(first_engine_ru
     gap = max(abs(x - y) for w, c in zip(runs["warm"], runs["cold"])
               for x, y in zip(w["output_logprobs"], c["output_logprobs"]))
     assert gap < 1e-5, gap
+
+
+@pytest.mark.parametrize("prompts, n, engines", [(16, 8, 2), (10, 8, 4), (3, 8, 4), (5, 1, 2), (7, 16, 8)])
+def test_each_prompt_is_prefilled_by_as_few_engines_as_balance_allows(prompts, n, engines):
+    """The samples of a step (``n`` consecutive copies of each prompt) dealt to engines: every
+    sample exactly once, shares within one sample of each other, and each prompt's copies on one
+    engine except where a share must end inside them, so the prefills (one per prompt and engine
+    holding it) number at most prompts + engines - 1, not prompts * min(n, engines)."""
+    shares = engine_shares(prompts * n, engines)
+    assert sorted(i for share in shares for i in share) == list(range(prompts * n))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    prefills = sum(len({i // n for i in share}) for share in shares)
+    assert prefills <= prompts + engines - 1
 
 
 @pytest.mark.timeout(400)

@@ -53,6 +53,15 @@ class RolloutWorker:
         self.engine.shutdown()
 
 
+def engine_shares(num_samples: int, num_engines: int) -> list[list[int]]:
+    """Which samples each engine generates: contiguous, balanced slices (sizes within one). The
+    ``rollout.n`` samples of a prompt are consecutive, so they stay on one engine (two where a
+    slice ends inside them) and each engine prefills only its own prompts once
+    (``prefill_shared_prompts``), where dealing samples round-robin had every engine prefill
+    every prompt: ``num_engines`` times the prompt tokens once ``rollout.n >= num_engines``."""
+    return [share.tolist() for share in torch.arange(num_samples).tensor_split(num_engines)]
+
+
 def prefill_shared_prompts(engine: SGLangEngine, prompts: list[list[int]]) -> int:
     """Put every prompt that occurs more than once (``rollout.n`` samples of it) into the engine's
     prefix cache, one prefill of each, so that its samples then prefill only their last token.
