@@ -42,13 +42,18 @@ class BranchIndex:
     """Where the prefix and the branches of shared-prefix rows are, as positions in the flattened
     ``[rows * s]`` tokens: ``prefix`` [rows, P] (each row's prefix, padded to the longest P),
     ``branches`` [n, L] (every branch of every row, padded to the longest L), ``branch_row`` [n]
-    (the row of each branch); the ``*_valid`` masks tell real slots from padding."""
+    (the row of each branch); the ``*_valid`` masks tell real slots from padding. What each
+    query may attend to: ``prefix_allowed`` [rows, P, P] over its row's prefix, ``branch_keys``
+    [n, P + L] (its row's prefix, then its own branch) and ``branch_allowed`` [n, L, P + L]."""
 
     prefix: torch.Tensor
     prefix_valid: torch.Tensor
     branches: torch.Tensor
     branch_valid: torch.Tensor
     branch_row: torch.Tensor
+    prefix_allowed: torch.Tensor
+    branch_keys: torch.Tensor
+    branch_allowed: torch.Tensor
 
     @classmethod
     def from_segments(cls, segments: torch.Tensor) -> "BranchIndex":
@@ -70,7 +75,32 @@ class BranchIndex:
         branch_valid = torch.zeros(branches.shape, dtype=torch.bool, device=segments.device)
         branches[branch_of, within] = flat[in_branch]
         branch_valid[branch_of, within] = True
-        return cls(prefix, prefix_valid, branches, branch_valid, row_of[starts])
+        branch_row = row_of[starts]
+
+        def causal(valid):  # [n, L] -> [n, L, L]: key j <= query i and real (key 0 always: no empty row)
+            earlier = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool, device=valid.device).tril()
+            keep = valid.clone()
+            keep[:, 0] = True
+            return earlier[None] & keep[:, None, :]
+
+        branch_allowed = torch.cat([prefix_valid[branch_row][:, None, :].expand(-1, branches.shape[1], -1),
+                                    causal(branch_valid)], dim=2)
+        return cls(prefix, prefix_valid, branches, branch_valid, branch_row, causal(prefix_valid),
+                   torch.cat([prefix[branch_row], branches], 1), branch_allowed)
+
+    @classmethod
+    def of(cls, segments: torch.Tensor) -> "BranchIndex":
+        """``from_segments``, built once per segments tensor: every layer of a forward gets the
+        same one (megatron passes ``attention_mask`` through), and building it reads sizes back
+        from the device (syncs on GPUs) several times."""
+        cached = _LAST_INDEX.get("entry")
+        if cached is None or cached[0] is not segments:
+            cached = _LAST_INDEX["entry"] = (segments, cls.from_segments(segments))
+        return cached[1]
+
+
+# The last index built and the segments tensor it was built from (held, so its identity stays valid).
+_LAST_INDEX: dict[str, tuple[torch.Tensor, BranchIndex]] = {}
 
 
 def branch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor,
@@ -85,7 +115,7 @@ def branch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     from torch.nn.functional import scaled_dot_product_attention
 
     s, rows, heads, dim = query.shape
-    index = BranchIndex.from_segments(segments)
+    index = BranchIndex.of(segments)
     flat = lambda t: t.transpose(0, 1).reshape(rows * s, t.shape[2], dim)  # noqa: E731
     q, k, v = flat(query), flat(key), flat(value)
     repeat = heads // k.shape[1]  # GQA: query heads per key/value head
@@ -96,17 +126,8 @@ def branch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                             attn_mask=allowed[:, None], dropout_p=dropout_p,
                                             scale=softmax_scale).permute(0, 2, 1, 3)  # [n, Lq, np, hn]
 
-    def causal(valid):  # [n, L] -> [n, L, L]: key j <= query i and real (key 0 always: no empty row)
-        earlier = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool, device=valid.device).tril()
-        keep = valid.clone()
-        keep[:, 0] = True
-        return earlier[None] & keep[:, None, :]
-
-    prefix_out = attend(index.prefix, index.prefix, causal(index.prefix_valid))
-    prefix_keys = index.prefix[index.branch_row]
-    allowed = torch.cat([index.prefix_valid[index.branch_row][:, None, :].expand(-1, index.branches.shape[1], -1),
-                         causal(index.branch_valid)], dim=2)
-    branch_out = attend(index.branches, torch.cat([prefix_keys, index.branches], 1), allowed)
+    prefix_out = attend(index.prefix, index.prefix, index.prefix_allowed)
+    branch_out = attend(index.branches, index.branch_keys, index.branch_allowed)
     context = q.new_zeros(rows * s, heads, dim)
     context = context.index_put((index.prefix[index.prefix_valid],), prefix_out[index.prefix_valid])
     context = context.index_put((index.branches[index.branch_valid],), branch_out[index.branch_valid])
