@@ -59,3 +59,24 @@ def test_prefill_and_decode_equal_sglangs_loops(backend, budget, monkeypatch):
     backend._megarl_loop_sdpa_forward_decode(query, want, *args, scaling=0.25, enable_gqa=True)
     batched.batched_sdpa_forward_decode(backend, query, got, *args, scaling=0.25, enable_gqa=True)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def test_index_reused_across_layers_is_rebuilt_when_the_cache_map_changes(backend):
+    """Layers of one step reuse the groups' index tensors (same tensors passed again); once the
+    engine writes new slots into ``req_to_token`` in place (the next step), the same tensor
+    objects must give the new attention, not the cached one."""
+    g, cache, prefix, heads, head_dim = _cache(seed=5)
+    args = lambda: (cache["k_cache"], cache["v_cache"], cache["req_to_token"], cache["req_pool_indices"],  # noqa: E731
+                    cache["seq_lens"])
+    query = torch.randn(len(prefix), heads, head_dim, generator=g)
+    outputs = []
+    for step in range(3):
+        if step == 2:  # the next step: slots remapped in place
+            cache["req_to_token"].copy_(cache["req_to_token"].roll(1, dims=1))
+        want, got = torch.full_like(query, float("nan")), torch.full_like(query, float("nan"))
+        backend._megarl_loop_sdpa_forward_decode(query, want, *args(), scaling=0.25, enable_gqa=True)
+        batched.batched_sdpa_forward_decode(backend, query, got, *args(), scaling=0.25, enable_gqa=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+        outputs.append(got)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)  # a second layer: the same
+    assert (outputs[2] - outputs[0]).abs().max() > 1e-3  # remapped: a different attention

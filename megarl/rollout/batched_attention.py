@@ -7,7 +7,8 @@ Python loop, for prefill ("extend") and decode alike (its own TODO says so). At 
 once, pads them to the group's longest, and runs one masked SDPA per group and layer: the same
 causal attention (queries at positions ``prefix .. seq_len - 1`` of each sequence see its keys up
 to their own position; padding is masked out exactly). Groups are cut so that the padded score
-matrix stays under ``SCORE_BUDGET`` elements. Sliding windows, cross-attention and non-causal
+matrix stays under ``SCORE_BUDGET`` elements; the groups' index tensors are built once per
+forward step and reused by every layer. Sliding windows, cross-attention and non-causal
 (encoder) layers keep SGLang's loop.
 
 Installed in the engine's processes by :func:`megarl.rollout.sglang_engine.install_scheduler_patch`
@@ -15,6 +16,8 @@ Installed in the engine's processes by :func:`megarl.rollout.sglang_engine.insta
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 BACKEND_MODULE = "sglang.srt.layers.attention.torch_native_backend"
 SCORE_BUDGET = 1 << 25  # padded attention scores per SDPA call (128 MiB in fp32)
@@ -25,14 +28,54 @@ def batched_causal_attention(query, output, k_cache, v_cache, req_to_token, req_
     """Causal attention of packed queries (``query``/``output``: [tokens, heads, head_dim], sequence
     after sequence, ``extend_lens[i]`` tokens each at positions ``prefix_lens[i]`` onwards) over
     each sequence's cached keys/values (``req_to_token[req_pool_indices[i], :seq_lens[i]]`` slots of
-    ``k_cache``/``v_cache``); writes ``output`` in place."""
-    import torch
+    ``k_cache``/``v_cache``); writes ``output`` in place. ``prefix_lens``/``extend_lens`` None: a
+    decode step (one query per sequence, at position ``seq_len - 1``)."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    heads = query.shape[1]
+    for group in _groups(query.shape[1], req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens):
+        queries = query[group.tokens].transpose(1, 2)  # [g, heads, Q, head_dim]
+        keys, values = k_cache[group.slots].transpose(1, 2), v_cache[group.slots].transpose(1, 2)  # [g, kv_heads, K, d]
+        if keys.dtype != queries.dtype:
+            keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        attended = scaled_dot_product_attention(queries, keys, values, attn_mask=group.allowed[:, None],
+                                                enable_gqa=enable_gqa, scale=scaling)
+        output[group.tokens[group.q_valid]] = attended.transpose(1, 2)[group.q_valid]
+
+
+class _Group(NamedTuple):
+    tokens: Any  # [g, Q] query token of each (sequence, query slot); padding slots read token 0
+    q_valid: Any  # [g, Q] real query slots
+    slots: Any  # [g, K] cache slot of each (sequence, key); padding keys read slot 0
+    allowed: Any  # [g, Q, K] what each query attends to
+
+
+# The last groups built and the tensors they were built from (held: their identity and version
+# say whether the next call may reuse them). Every layer of a forward step passes the same ones.
+_LAST_GROUPS: dict[str, tuple] = {}
+
+
+def _groups(heads, req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens) -> list[_Group]:
+    """The sequences cut into groups whose padded scores stay under ``SCORE_BUDGET``, with their
+    index tensors; built once per forward step, not per layer (reused while the same tensors, not
+    modified since, come back)."""
+    sources = (req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens)
+    key = (heads, SCORE_BUDGET, *((id(t), t._version) if t is not None else None for t in sources))
+    cached = _LAST_GROUPS.get("entry")
+    if cached is not None and cached[0] == key:
+        return cached[2]
+    groups = _build_groups(heads, *sources)
+    _LAST_GROUPS["entry"] = (key, sources, groups)
+    return groups
+
+
+def _build_groups(heads, req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens) -> list[_Group]:
+    import torch
+
+    if extend_lens is None:  # decode: one query per sequence, after its cached tokens
+        prefix_lens, extend_lens = seq_lens - 1, torch.ones_like(seq_lens)
     starts = torch.cumsum(extend_lens, 0) - extend_lens  # first query token of each sequence
     ext, kv = extend_lens.tolist(), seq_lens.tolist()
-    first = 0
+    groups, first = [], 0
     while first < len(ext):
         last, longest_q, longest_kv = first + 1, ext[first], kv[first]
         while last < len(ext):
@@ -41,22 +84,16 @@ def batched_causal_attention(query, output, k_cache, v_cache, req_to_token, req_
                 break
             longest_q, longest_kv, last = q_len, kv_len, last + 1
         group = slice(first, last)
-        q_pos = torch.arange(longest_q, device=query.device)
-        k_pos = torch.arange(longest_kv, device=query.device)
+        q_pos = torch.arange(longest_q, device=seq_lens.device)
+        k_pos = torch.arange(longest_kv, device=seq_lens.device)
         q_valid = q_pos < extend_lens[group, None]  # [g, Q]
-        tokens = (starts[group, None] + q_pos).masked_fill(~q_valid, 0)  # padding rows read token 0
-        queries = query[tokens].transpose(1, 2)  # [g, heads, Q, head_dim]
-        slots = req_to_token[req_pool_indices[group], :longest_kv].masked_fill(
-            k_pos >= seq_lens[group, None], 0)  # padding keys read slot 0, masked below
-        keys, values = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # [g, kv_heads, K, d]
-        if keys.dtype != queries.dtype:
-            keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        tokens = (starts[group, None] + q_pos).masked_fill(~q_valid, 0)
+        slots = req_to_token[req_pool_indices[group], :longest_kv].masked_fill(k_pos >= seq_lens[group, None], 0)
         allowed = (k_pos <= prefix_lens[group, None, None] + q_pos[:, None]) & (k_pos < seq_lens[group, None, None])
         allowed |= ~q_valid[:, :, None] & (k_pos == 0)  # padding rows see one key: no NaN, discarded
-        attended = scaled_dot_product_attention(queries, keys, values, attn_mask=allowed[:, None],
-                                                enable_gqa=enable_gqa, scale=scaling)
-        output[tokens[q_valid]] = attended.transpose(1, 2)[q_valid]
+        groups.append(_Group(tokens, q_valid, slots, allowed))
         first = last
+    return groups
 
 
 def _unsupported(encoder_lens, causal, is_cross_attn, sliding_window_size) -> bool:
@@ -89,11 +126,8 @@ def batched_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_to
             query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens=encoder_lens,
             scaling=scaling, enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
             sliding_window_size=sliding_window_size)
-    import torch
-
-    ones = torch.ones_like(seq_lens)
     batched_causal_attention(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                             seq_lens - 1, ones, scaling=scaling, enable_gqa=enable_gqa)
+                             None, None, scaling=scaling, enable_gqa=enable_gqa)
     return output
 
 
