@@ -32,6 +32,7 @@ import dataclasses
 import torch
 
 from parallel.context_parallel import ContextParallelAttention
+from parallel.memo import reuse_while_unchanged
 
 PADDING = -1  # segment id of padding tokens
 PREFIX = 0  # segment id of the shared prefix; branches are 1, 2, ...
@@ -88,19 +89,10 @@ class BranchIndex:
         return cls(prefix, prefix_valid, branches, branch_valid, branch_row, causal(prefix_valid),
                    torch.cat([prefix[branch_row], branches], 1), branch_allowed)
 
-    @classmethod
-    def of(cls, segments: torch.Tensor) -> "BranchIndex":
-        """``from_segments``, built once per segments tensor: every layer of a forward gets the
-        same one (megatron passes ``attention_mask`` through), and building it reads sizes back
-        from the device (syncs on GPUs) several times."""
-        cached = _LAST_INDEX.get("entry")
-        if cached is None or cached[0] is not segments:
-            cached = _LAST_INDEX["entry"] = (segments, cls.from_segments(segments))
-        return cached[1]
 
-
-# The last index built and the segments tensor it was built from (held, so its identity stays valid).
-_LAST_INDEX: dict[str, tuple[torch.Tensor, BranchIndex]] = {}
+# Every layer of a forward gets the same segments tensor (megatron passes ``attention_mask``
+# through); building the index reads sizes back from the device (a sync on GPUs) several times.
+branch_index = reuse_while_unchanged(BranchIndex.from_segments)
 
 
 def branch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor,
@@ -115,7 +107,7 @@ def branch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     from torch.nn.functional import scaled_dot_product_attention
 
     s, rows, heads, dim = query.shape
-    index = BranchIndex.of(segments)
+    index = branch_index(segments)
     flat = lambda t: t.transpose(0, 1).reshape(rows * s, t.shape[2], dim)  # noqa: E731
     q, k, v = flat(query), flat(key), flat(value)
     repeat = heads // k.shape[1]  # GQA: query heads per key/value head

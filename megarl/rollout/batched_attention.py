@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from parallel.memo import reuse_while_unchanged
+
 BACKEND_MODULE = "sglang.srt.layers.attention.torch_native_backend"
 SCORE_BUDGET = 1 << 25  # padded attention scores per SDPA call (128 MiB in fp32)
 
@@ -32,7 +34,8 @@ def batched_causal_attention(query, output, k_cache, v_cache, req_to_token, req_
     decode step (one query per sequence, at position ``seq_len - 1``)."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    for group in _groups(query.shape[1], req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens):
+    for group in _groups(query.shape[1], SCORE_BUDGET, req_to_token, req_pool_indices, seq_lens, prefix_lens,
+                         extend_lens):
         queries = query[group.tokens].transpose(1, 2)  # [g, heads, Q, head_dim]
         keys, values = k_cache[group.slots].transpose(1, 2), v_cache[group.slots].transpose(1, 2)  # [g, kv_heads, K, d]
         if keys.dtype != queries.dtype:
@@ -49,26 +52,9 @@ class _Group(NamedTuple):
     allowed: Any  # [g, Q, K] what each query attends to
 
 
-# The last groups built and the tensors they were built from (held: their identity and version
-# say whether the next call may reuse them). Every layer of a forward step passes the same ones.
-_LAST_GROUPS: dict[str, tuple] = {}
-
-
-def _groups(heads, req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens) -> list[_Group]:
-    """The sequences cut into groups whose padded scores stay under ``SCORE_BUDGET``, with their
-    index tensors; built once per forward step, not per layer (reused while the same tensors, not
-    modified since, come back)."""
-    sources = (req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens)
-    key = (heads, SCORE_BUDGET, *((id(t), t._version) if t is not None else None for t in sources))
-    cached = _LAST_GROUPS.get("entry")
-    if cached is not None and cached[0] == key:
-        return cached[2]
-    groups = _build_groups(heads, *sources)
-    _LAST_GROUPS["entry"] = (key, sources, groups)
-    return groups
-
-
-def _build_groups(heads, req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens) -> list[_Group]:
+def _build_groups(heads, budget, req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens) -> list[_Group]:
+    """The sequences cut into groups whose padded scores stay under ``budget``, with their index
+    tensors."""
     import torch
 
     if extend_lens is None:  # decode: one query per sequence, after its cached tokens
@@ -80,7 +66,7 @@ def _build_groups(heads, req_to_token, req_pool_indices, seq_lens, prefix_lens, 
         last, longest_q, longest_kv = first + 1, ext[first], kv[first]
         while last < len(ext):
             q_len, kv_len = max(longest_q, ext[last]), max(longest_kv, kv[last])
-            if (last - first + 1) * heads * q_len * kv_len > SCORE_BUDGET:
+            if (last - first + 1) * heads * q_len * kv_len > budget:
                 break
             longest_q, longest_kv, last = q_len, kv_len, last + 1
         group = slice(first, last)
@@ -94,6 +80,10 @@ def _build_groups(heads, req_to_token, req_pool_indices, seq_lens, prefix_lens, 
         groups.append(_Group(tokens, q_valid, slots, allowed))
         first = last
     return groups
+
+
+# Built once per forward step, not per layer: every layer passes the same tensors.
+_groups = reuse_while_unchanged(_build_groups)
 
 
 def _unsupported(encoder_lens, causal, is_cross_attn, sliding_window_size) -> bool:
