@@ -29,6 +29,12 @@ Patches (name -> why):
   the norm itself is per-token so it is correct under SP as long as its parameters are tagged
   ``sequence_parallel = True`` (then megatron all-reduces their grads over TP, as it does for the
   fused norms). Without the tag the norm grads are wrong, which the test checks.
+- ``onednn_linear``: megatron's linear layers (``linear_with_grad_accumulation_and_async_allreduce``
+  and ``linear_with_frozen_weight``) run their fp32 forward and input-gradient GEMMs through
+  oneDNN (:class:`parallel.cpu_linear.LinearFunction`): 1.1-1.7x MKL's SGEMM on this machine, a
+  ~20% faster 20M-model update. Sequence parallelism, gradient-accumulation fusion and deferred
+  weight gradients keep megatron's own function; ``MEGARL_CPU_LINEAR=aten`` turns it off. Tested
+  in tests/test_cpu_linear.py (TP=1/2 against a float64 oracle).
 """
 
 from __future__ import annotations
@@ -218,12 +224,47 @@ def _patch_sequence_parallel_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
+def _patch_onednn_linear() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    from parallel import cpu_linear
+
+    with_grad, frozen = layers.linear_with_grad_accumulation_and_async_allreduce, layers.linear_with_frozen_weight
+
+    @functools.wraps(with_grad)  # also copies its ``warned`` flag, which megatron reads by name
+    def linear_with_grad(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                         sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=0,
+                         async_grad_allreduce=None, tp_group=None):
+        if (sequence_parallel or gradient_accumulation_fusion or grad_output_buffer is not None
+                or not cpu_linear.applies(input, weight)):
+            return with_grad(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                             sequence_parallel, grad_output_buffer, wgrad_deferral_limit,
+                             async_grad_allreduce, tp_group)
+        return cpu_linear.LinearFunction.apply(input, weight, bias, allreduce_dgrad,
+                                               layers.get_tensor_model_parallel_group_if_none(tp_group))
+
+    @functools.wraps(frozen)
+    def linear_with_frozen_weight(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                                  sequence_parallel, tp_group, grad_output_buffer=None,
+                                  wgrad_deferral_limit=None, async_grad_allreduce=None):
+        if sequence_parallel or not cpu_linear.applies(input, weight):
+            return frozen(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                          sequence_parallel, tp_group, grad_output_buffer, wgrad_deferral_limit,
+                          async_grad_allreduce)
+        return cpu_linear.LinearFunction.apply(input, weight, bias, allreduce_dgrad,
+                                               layers.get_tensor_model_parallel_group_if_none(tp_group))
+
+    layers.linear_with_grad_accumulation_and_async_allreduce = linear_with_grad
+    layers.linear_with_frozen_weight = linear_with_frozen_weight
+
+
 PATCHES = {
     "device_mode": _patch_device_mode,
     "cuda_runtime": _patch_cuda_runtime,
     "rng": _patch_rng,
     "tensor_type": _patch_tensor_type,
     "sequence_parallel_norm": _patch_sequence_parallel_norm,
+    "onednn_linear": _patch_onednn_linear,
 }
 
 

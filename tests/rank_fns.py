@@ -418,3 +418,44 @@ def vocab_parallel_slice_outputs(logits, targets, vocab_size, grad_logp, grad_en
     ((logp * grad_logp).sum() + (entropy * grad_entropy).sum()).backward()
     parallel_state.destroy_model_parallel()
     return {"logp": logp.detach(), "entropy": entropy.detach(), "grad": mine.grad}
+
+
+def megatron_linear_pair(x, col_weight, col_bias, row_weight, grad_out, frozen):
+    """``row(col(x))`` through megatron's ColumnParallelLinear (bias, output kept split) and
+    RowParallelLinear (TP = world size, each rank holding its slice of the full weights), then
+    the backward of sum(grad_out * output). Returns the output, the input gradient, this rank's
+    weight/bias gradient slices and the autograd node names of the two layers' outputs.
+    ``frozen``: the column layer's weight and bias need no gradient (megatron's frozen-weight
+    path)."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from parallel.layout import MegatronLayout, initialize_megatron
+
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    initialize_megatron(MegatronLayout(tp=tp))
+    config = ModelParallelConfig(tensor_model_parallel_size=tp, params_dtype=torch.float32,
+                                 use_cpu_initialization=True)
+    out_features, in_features = col_weight.shape
+    col = tensor_parallel.ColumnParallelLinear(in_features, out_features, config=config, bias=True,
+                                               gather_output=False, init_method=torch.nn.init.zeros_)
+    row = tensor_parallel.RowParallelLinear(out_features, in_features, config=config, bias=False,
+                                            input_is_parallel=True, skip_bias_add=False,
+                                            init_method=torch.nn.init.zeros_)
+    local = out_features // tp
+    mine = slice(rank * local, (rank + 1) * local)
+    with torch.no_grad():
+        col.weight.copy_(col_weight[mine])
+        col.bias.copy_(col_bias[mine])
+        row.weight.copy_(row_weight[:, mine])
+    col.weight.requires_grad_(not frozen)
+    col.bias.requires_grad_(not frozen)
+    x = x.clone().requires_grad_(True)
+    hidden, _ = col(x)
+    output, _ = row(hidden)
+    (output * grad_out).sum().backward()
+    parallel_state.destroy_model_parallel()
+    row_node = output.grad_fn.next_functions[0][0]  # the all-reduce of the partial sums is last
+    return {"output": output.detach(), "x_grad": x.grad, "row_weight_grad": row.weight.grad,
+            "col_weight_grad": col.weight.grad, "col_bias_grad": col.bias.grad,
+            "nodes": (hidden.grad_fn.name(), row_node.name())}

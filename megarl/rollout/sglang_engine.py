@@ -586,17 +586,20 @@ class _PostImportPatch(importlib.abc.MetaPathFinder):
 
 def install_scheduler_patch() -> None:
     """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class,
-    batch the torch-native backend's attention (:mod:`megarl.rollout.batched_attention`) and sample
-    by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) in this process: now for a module
+    batch the torch-native backend's attention (:mod:`megarl.rollout.batched_attention`), sample
+    by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and run fp32 CPU linears through
+    oneDNN (:mod:`parallel.cpu_linear`) in this process: now for a module
     imported already, otherwise right after its import. Run at interpreter start (before SGLang
     is imported) in every process of an engine by the ``sitecustomize`` in
     ``parallel/cpu_stubs/site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
     Imports nothing of SGLang itself. Idempotent."""
     from megarl.rollout.batched_attention import BACKEND_MODULE, patch_backend_module
     from megarl.rollout.inverse_cdf_sampling import SAMPLER_MODULE, patch_sampler_module
+    from parallel.cpu_linear import SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module
 
     for name, patch in ((_SCHEDULER_MODULE, _patch_scheduler_module), (BACKEND_MODULE, patch_backend_module),
-                        (SAMPLER_MODULE, patch_sampler_module)):
+                        (SAMPLER_MODULE, patch_sampler_module),
+                        (SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module)):
         if name in sys.modules:
             patch(sys.modules[name])
         elif not any(isinstance(f, _PostImportPatch) and f.fullname == name for f in sys.meta_path):
