@@ -226,7 +226,7 @@ class Trainer:
         rows = ("one per prompt, its samples as branches (shared prompts)" if cfg.shared_prompt_rows
                 else "one packed row per micro-batch" if cfg.actor.sequence_packing else "one per sample")
         threading = "" if gpu else f" ({threads} CPU thread(s) per rank)"
-        self.log(f"megarl: Megatron {pools}; {num_engines} SGLang engine(s) of TP={r.tp}{threading} {where}; "
+        self.log(f"megarl: Megatron {pools}; {num_engines} SGLang engine(s) of TP={r.tp} {where}{threading}; "
                  f"model {self.model_dir}; rows: {rows}")
 
     def _setup_models(self) -> None:

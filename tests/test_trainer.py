@@ -114,7 +114,7 @@ def uninterrupted(prompts, tmp_path_factory):
     assert "rows: one per prompt, its samples as branches" in output, output[-3000:]  # the default at n > 1
     # engines use their ranks' cores, not the one thread Ray gives its actors (2 ranks here)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert f"2 SGLang engine(s) of TP=1 ({threads} CPU thread(s) per rank)" in output, output[-3000:]
+    assert f"2 SGLang engine(s) of TP=1 colocated ({threads} CPU thread(s) per rank)" in output, output[-3000:]
     return {m["step"]: m for m in _metrics(out)}
 
 
