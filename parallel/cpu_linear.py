@@ -1,9 +1,9 @@
 """fp32 linear layers on the CPU through oneDNN's matmul instead of MKL's SGEMM.
 
 Why: on this project's CPUs (AMD EPYC, AVX-512) MKL's SGEMM, which ``F.linear``/``torch.matmul``
-use, runs the model's shapes at 70-135 GFLOP/s on 2 threads; oneDNN's matmul (the
+use, runs the model's shapes at 70-150 GFLOP/s on 2 threads; oneDNN's matmul (the
 ``mkldnn::_linear_pointwise`` op that inductor emits for CPU linears) runs the same shapes at
-150-190, near the cores' peak (``tools/bench_cpu_gemm.py`` prints both on any machine). Both are
+110-190, up to near the cores' peak (``tools/bench_cpu_gemm.py`` prints both on any machine). Both are
 fp32 with fp32 accumulation; results differ only by summation order (~1e-6 relative).
 
 Used by the Megatron workers' linear layers (``parallel.cpu_compat``'s ``onednn_linear`` patch:
