@@ -16,11 +16,14 @@ def live(procs) -> list[psutil.Process]:
 
 
 def _is_per_interpreter_helper(proc: psutil.Process) -> bool:
-    """Python's multiprocessing resource tracker and torch's shared-memory manager: one per
-    interpreter that uses them, exiting with it (the manager: when its last client disconnects).
-    An SGLang engine handle in this process starts the manager with its first weight update."""
+    """Python's multiprocessing resource tracker and fork server (``run_on_ranks`` starts ranks
+    from it) and torch's shared-memory manager: one per interpreter that uses them, exiting with
+    it (the manager: when its last client disconnects). An SGLang engine handle in this process
+    starts the manager with its first weight update."""
     try:
-        return proc.name() == "torch_shm_manager" or "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+        cmdline = " ".join(proc.cmdline())
+        return (proc.name() == "torch_shm_manager" or "multiprocessing.resource_tracker" in cmdline
+                or "multiprocessing.forkserver" in cmdline)
     except psutil.Error:
         return False
 

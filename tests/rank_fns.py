@@ -9,10 +9,11 @@ import torch.distributed as dist
 
 
 def all_reduce_rank(scale):
-    """Sum of (rank+1)*scale over all ranks, plus who this rank is."""
+    """Sum of (rank+1)*scale over all ranks, plus who this rank is and the caller's marker variable."""
     value = torch.tensor([float(dist.get_rank() + 1) * scale])
     dist.all_reduce(value)
-    return {"rank": dist.get_rank(), "sum": float(value), "threads": torch.get_num_threads()}
+    return {"rank": dist.get_rank(), "sum": float(value), "threads": torch.get_num_threads(),
+            "marker": os.environ.get("MEGARL_TEST_MARKER")}
 
 
 def fail_on_rank_one():

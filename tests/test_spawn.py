@@ -11,11 +11,16 @@ from tests import rank_fns
 from tests.processes import live_descendants
 
 
-def test_collects_each_rank_result():
+def test_collects_each_rank_result(monkeypatch):
     results = run_on_ranks(rank_fns.all_reduce_rank, 2, 10.0, timeout_s=120)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["sum"] == 30.0 for r in results)  # 10 * (1 + 2), computed over gloo
     assert all(r["threads"] == threads_per_rank(2) for r in results)
+    # Ranks see the caller's environment of now, not the one the (fork) server started with.
+    assert [r["marker"] for r in results] == [None, None]
+    monkeypatch.setenv("MEGARL_TEST_MARKER", "set after the first ranks")
+    results = run_on_ranks(rank_fns.all_reduce_rank, 2, 1.0, timeout_s=120)
+    assert [r["marker"] for r in results] == ["set after the first ranks"] * 2
     assert live_descendants() == []
 
 
