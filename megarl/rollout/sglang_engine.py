@@ -708,6 +708,36 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
+def _fork_engine_children(conn: Connection) -> None:
+    """CPU engines: start SGLang's scheduler and detokenizer processes by fork instead of spawn.
+
+    Spawned, each of them imports torch and SGLang again (with the stubs and patches of the
+    sitecustomize): about 20 s of CPU per engine on a 2-core machine, most of an engine's startup.
+    Forked, they inherit this process's modules, imported once here. Safe without CUDA: nothing
+    here has started a device context or an OpenMP pool. The children get /dev/null in place of
+    this process's end of the owner's pipe, so the owner still sees EOF when this process dies.
+    """
+    import multiprocessing
+
+    import sglang.srt.managers.detokenizer_manager  # noqa: F401 - imported once, inherited by the forks
+    import sglang.srt.managers.scheduler  # noqa: F401
+
+    set_start_method = multiprocessing.set_start_method
+
+    def fork_always(method=None, force=False):  # SGLang's Engine asks for "spawn" (force=True)
+        set_start_method("fork", force=True)
+
+    multiprocessing.set_start_method = fork_always
+    fd = conn.fileno()
+
+    def release_owner_pipe() -> None:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, fd)  # the number stays valid, so nothing closes an unrelated file later
+        os.close(devnull)
+
+    os.register_at_fork(after_in_child=release_owner_pipe)
+
+
 def _child_main() -> None:
     """Entry point of the engine process: build the Engine, then serve requests from the pipe."""
     conn = Connection(int(sys.argv[1]))
@@ -716,6 +746,8 @@ def _child_main() -> None:
         kwargs = conn.recv()
         import sglang
 
+        if kwargs.get("device") == "cpu":
+            _fork_engine_children(conn)
         engine = sglang.Engine(**kwargs)
         from parallel.cpu_stubs import STUBBED, is_stub
 
