@@ -24,14 +24,14 @@ It is never called: nothing runs a forward pass here.
 
 Everything runs in a fresh subprocess (SGLang's published config, its process-wide stamps, the
 CPU import stubs and the vllm placeholder stay out of the caller, e.g. pytest), which computes
-all ranks of one ``(hf_dir, tp_size)`` at once; the result is cached in the caller per
-checkpoint file state, so asking for rank 1 after rank 0 is free. One call for a tiny model
-takes ~10 s (SGLang's imports dominate; building and loading a rank takes ~0.02 s).
+all ranks of one or more ``(hf_dir, tp_size)`` at once (:func:`sglang_oracle_batch`); the result
+is cached in the caller per checkpoint file state, so asking for rank 1 after rank 0 is free. One
+process takes ~10 s (SGLang's imports dominate; building and loading a rank takes ~0.02 s), so
+a test that needs many checkpoints and TP sizes asks for them in one batch.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -74,25 +74,43 @@ def sglang_rank_parameters(hf_dir: str | os.PathLike, tp_size: int, rank: int) -
 def sglang_all_rank_parameters(hf_dir: str | os.PathLike, tp_size: int) -> list[dict[str, torch.Tensor]]:
     """:func:`sglang_rank_parameters` for every rank (index = rank). Cached per checkpoint state:
     do not modify the returned tensors."""
+    return sglang_oracle_batch([(hf_dir, tp_size)])[0]
+
+
+_CACHE: dict[tuple, list[dict[str, torch.Tensor]]] = {}
+
+
+def sglang_oracle_batch(requests: list[tuple[str | os.PathLike, int]]) -> list[list[dict[str, torch.Tensor]]]:
+    """:func:`sglang_all_rank_parameters` for each ``(hf_dir, tp_size)``; the uncached ones are
+    computed together in ONE oracle process, so SGLang's imports (~10 s) are paid once, not per
+    request."""
+    keys = [_cache_key(hf_dir, tp_size) for hf_dir, tp_size in requests]
+    missing = list(dict.fromkeys(key for key in keys if key not in _CACHE))
+    if missing:
+        _CACHE.update(zip(missing, _run_oracle([(hf_dir, tp_size) for hf_dir, tp_size, _ in missing])))
+    return [_CACHE[key] for key in keys]
+
+
+def _cache_key(hf_dir: str | os.PathLike, tp_size: int) -> tuple:
     hf_dir = os.path.realpath(hf_dir)
     stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size)
                          for p in Path(hf_dir).iterdir() if p.suffix in (".safetensors", ".json")))
-    return _cached_run(hf_dir, int(tp_size), stamp)
+    return hf_dir, int(tp_size), stamp
 
 
-@functools.lru_cache(maxsize=16)
-def _cached_run(hf_dir: str, tp_size: int, _stamp) -> list[dict[str, torch.Tensor]]:
+def _run_oracle(requests: list[tuple[str, int]]) -> list[list[dict[str, torch.Tensor]]]:
     from parallel.cpu_stubs import child_env
 
     env = child_env()
     env.pop("SGLANG_USE_CPU_ENGINE", None)  # the GPU path's layout, see the module docstring
     env.setdefault("OMP_NUM_THREADS", "1")
+    args = [str(item) for request in requests for item in request]
     with tempfile.TemporaryDirectory(prefix="megarl-sglang-oracle-") as tmp:
         out = os.path.join(tmp, "ranks.pt")
-        res = subprocess.run([sys.executable, "-m", "tests.sglang_oracle", hf_dir, str(tp_size), out],
+        res = subprocess.run([sys.executable, "-m", "tests.sglang_oracle", out, *args],
                              env=env, cwd=str(_PROJECT_ROOT), capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
-            raise RuntimeError(f"SGLang oracle failed for {hf_dir} at TP={tp_size} "
+            raise RuntimeError(f"SGLang oracle failed for {requests} "
                                f"(exit {res.returncode}):\n{res.stderr[-4000:]}")
         return torch.load(out, weights_only=True)
 
@@ -169,16 +187,19 @@ def _build_rank(hf_dir: str, tp_size: int, rank: int, hf: dict[str, torch.Tensor
     return params
 
 
-def _main(hf_dir: str, tp_size: int, out: str) -> None:
+def _main(out: str, requests: list[tuple[str, int]]) -> None:
     from parallel.cpu_stubs import install
 
     install()
     _install_vllm_placeholder()
     if os.environ.get("SGLANG_USE_CPU_ENGINE"):
         raise SystemExit("the SGLang oracle must run without SGLANG_USE_CPU_ENGINE")
-    hf = _hf_tensors(hf_dir)
-    torch.save([_build_rank(hf_dir, tp_size, r, hf) for r in range(tp_size)], out)
+    results = []
+    for hf_dir, tp_size in requests:
+        hf = _hf_tensors(hf_dir)
+        results.append([_build_rank(hf_dir, tp_size, r, hf) for r in range(tp_size)])
+    torch.save(results, out)
 
 
-if __name__ == "__main__":
-    _main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+if __name__ == "__main__":  # out.pt hf_dir tp_size [hf_dir tp_size ...]
+    _main(sys.argv[1], [(sys.argv[i], int(sys.argv[i + 1])) for i in range(2, len(sys.argv), 2)])

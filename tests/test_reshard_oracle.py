@@ -11,7 +11,7 @@ from parallel.hf_io import HFCheckpoint
 from parallel.layout import MegatronLayout
 from parallel.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
 from parallel.shards import megatron_shards
-from tests.sglang_oracle import sglang_all_rank_parameters
+from tests.sglang_oracle import sglang_all_rank_parameters, sglang_oracle_batch
 from tests.test_reshard_plan import materialise
 
 # Each family; tied and untied; qkv bias; GQA with KV=1 and KV=2; vocab not a multiple of 64.
@@ -27,10 +27,15 @@ LAYOUTS = {"tp1": (MegatronLayout(), 1), "tp2": (MegatronLayout(tp=2), 2),
            "tp2_pp2": (MegatronLayout(tp=2, pp=2), 4), "pp2_vpp2": (MegatronLayout(pp=2, vpp=2), 2)}
 
 
+ROLLOUT_TPS = (1, 2, 4)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return {model: save_tiny_hf_model(model, tmp_path_factory.mktemp(model) / "hf", seed=21, **overrides)
-            for model, overrides in MODELS.items()}
+    paths = {model: save_tiny_hf_model(model, tmp_path_factory.mktemp(model) / "hf", seed=21, **overrides)
+             for model, overrides in MODELS.items()}
+    sglang_oracle_batch([(path, tp) for path in paths.values() for tp in ROLLOUT_TPS])  # one SGLang process
+    return paths
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -38,7 +43,7 @@ def test_planned_shards_equal_sglang_loaders(checkpoints, model):
     ckpt = HFCheckpoint(checkpoints[model])
     hf, hf_tensors = ckpt.config, ckpt.read_all()
     compared = 0
-    for rollout_tp in (1, 2, 4):
+    for rollout_tp in ROLLOUT_TPS:
         oracle = sglang_all_rank_parameters(str(ckpt.path), rollout_tp)
         for layout_name, (layout, world) in LAYOUTS.items():
             if hf["num_key_value_heads"] % layout.tp:
