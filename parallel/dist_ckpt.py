@@ -39,9 +39,24 @@ def save_megatron_checkpoint(
     """Collective over all ranks: save the model chunks at ``target`` (refused if it exists)."""
     from megatron.core import dist_checkpointing
 
+    _write_results_in_this_process()
     return write_megatron_checkpoint(
         target, hf_config, layout, checksums,
         lambda directory: dist_checkpointing.save(_sharded_state_dict(chunks), str(directory)))
+
+
+def _write_results_in_this_process() -> None:
+    """Give megatron's checkpoint writer an in-process results queue. Its default is a queue
+    served by a spawned Manager process, made for async saves (written by another process): the
+    first save then waits ~4 s for that server to import torch, and the server outlives a SIGKILLed
+    saver (Ray's way of stopping a worker). Our saves are synchronous: the writer puts its results
+    and takes them back in the saving process, so a plain queue carries them."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def write_megatron_checkpoint(

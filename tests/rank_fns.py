@@ -4,6 +4,7 @@ import os
 import subprocess
 import time
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -161,6 +162,8 @@ def checkpoint_logits(hf_dir, ckpt_dir, layout_kwargs, tokens):
         chunks = build_model_chunks(ckpt.config, layout)
         load_hf_into_chunks(chunks, ckpt, layout)
         save_megatron_checkpoint(chunks, ckpt_dir, ckpt.config, layout)
+        helpers = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+        assert helpers == [], f"the save left helper processes (they would outlive a SIGKILLed saver): {helpers}"
     else:
         chunks = build_model_chunks(read_checkpoint_metadata(ckpt_dir)["hf_config"], layout)
         load_megatron_checkpoint(chunks, ckpt_dir)

@@ -436,10 +436,8 @@ class MegatronWorker:
         import numpy as np
         from megatron.core import tensor_parallel
 
-        from megarl.workers.orphans import checkpoint_results_queue_dies_with_this_process
         from parallel.dist_ckpt import save_megatron_checkpoint
 
-        checkpoint_results_queue_dies_with_this_process()
         for role, model in self.models.items():
             if model.optimizer is not None:
                 save_megatron_checkpoint(model.chunks, Path(directory) / role, model.hf_config, model.spec.layout)
