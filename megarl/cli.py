@@ -95,11 +95,9 @@ def _convert(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from parallel.convert import conversion_on_rank
     from parallel.dist_ckpt import read_checkpoint_metadata
     from parallel.hf_io import CheckpointError, HFCheckpoint
     from parallel.layout import LayoutError, MegatronLayout
-    from parallel.spawn import run_on_ranks
 
     layout = MegatronLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
     under_launcher = "WORLD_SIZE" in os.environ and "RANK" in os.environ
@@ -115,6 +113,9 @@ def _convert(args: argparse.Namespace) -> int:
     except (CheckpointError, LayoutError, ValueError) as error:
         print(f"megarl convert: {error}", file=sys.stderr)
         return 2
+    from parallel.convert import conversion_on_rank  # megatron's imports (~6 s): only for a valid request
+    from parallel.spawn import run_on_ranks
+
     if under_launcher:  # torchrun / srun: this process is one rank
         import torch.distributed as dist
 

@@ -7,15 +7,12 @@ properties, metadata.json and common.pt, and the same stored values (read back b
 DCP); megatron's ``load`` of the streamed checkpoint at another layout must give the source
 weights bit for bit (exported by the independent gather path); the streamed round trip across
 layouts (other vocab padding, tied embeddings) must give the source files. Memory: the peak RSS of a
-conversion, measured from outside (``RUSAGE_CHILDREN`` of a wrapper process), must not grow
-with the number of layers beyond a few of the largest tensor.
+conversion rank, as the kernel counts it (``ru_maxrss`` of the rank's own process, forked for it),
+must not grow with the number of layers beyond a few of the largest tensor.
 """
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,8 +21,6 @@ from model_specs.presets import hf_config_dict, save_tiny_hf_model
 from parallel.hf_io import HFCheckpoint
 from parallel.shards import hf_tensor_shapes
 from parallel.spawn import run_on_ranks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def save_both_ways(hf_dir, old_dir, new_dir, layout_kwargs):
@@ -115,17 +110,16 @@ def test_streamed_checkpoint_is_megatrons_checkpoint(tmp_path, case):
         assert torch.equal(exported[name], tensor.to(exported[name].dtype)), name
 
 
-def _peak_rss_of(args):
-    """Peak RSS (bytes) of the largest process of ``megarl convert args``, measured by a wrapper
-    process around it (RUSAGE_CHILDREN covers the CLI and its rank processes, all waited for)."""
-    wrapper = ("import resource, subprocess, sys; "
-               "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-               "print(r.stdout[-2000:], r.stderr[-2000:], file=sys.stderr); "
-               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(r.returncode)")
-    result = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "megarl.cli", "convert", *args],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return int(result.stdout.split()[-1])
+def convert_measuring_peak_rss(direction, source, target):
+    """One conversion rank (a fresh process); returns its peak RSS in bytes as the kernel counts it
+    (``ru_maxrss``), from before the conversion's imports of the model to its end."""
+    import resource
+
+    from parallel.convert import conversion_on_rank
+    from parallel.layout import MegatronLayout
+
+    conversion_on_rank(direction, source, target, MegatronLayout(), False)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def test_peak_memory_does_not_grow_with_the_model(tmp_path):
@@ -141,8 +135,8 @@ def test_peak_memory_does_not_grow_with_the_model(tmp_path):
         tensors = hf_tensor_shapes(hf_config_dict("tiny-llama", **overrides)).values()
         sizes[layers] = (sum(math.prod(s) for s in tensors) * 4, max(math.prod(s) for s in tensors) * 4)
         mg, back = str(tmp_path / f"mg{layers}"), str(tmp_path / f"back{layers}")
-        peaks[layers] = max(_peak_rss_of(["hf-to-megatron", "--input", hf_dir, "--output", mg, "--no-verify"]),
-                            _peak_rss_of(["megatron-to-hf", "--input", mg, "--output", back, "--no-verify"]))
+        peaks[layers] = max(run_on_ranks(convert_measuring_peak_rss, 1, direction, source, target, timeout_s=300)[0]
+                            for direction, source, target in (("hf-to-megatron", hf_dir, mg), ("megatron-to-hf", mg, back)))
     model_bytes, largest = sizes[40]
     growth = peaks[40] - peaks[2]
     assert model_bytes > 40 * largest  # the property is only visible when the model dwarfs its tensors
