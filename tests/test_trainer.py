@@ -2,9 +2,9 @@
 
 - learning: GRPO raises the mean reward far beyond a no-update control (lr = 0) run of the same
   seed; the first rollout's SGLang log-probs equal the actor's recomputation (step-0 check);
-- resume: a driver SIGKILLed after its step-2 checkpoint, resumed, gives the same steps 3-4 as an
-  uninterrupted run, and no process of the killed run survives;
-- pools: engines and reference on ranks of their own give the same steps as colocated ones;
+- pools and resume, against one uninterrupted run with every role on a pool of its own: a
+  colocated run gives its steps 1-2, is SIGKILLed (driver) after its step-2 checkpoint, and
+  resumed gives its steps 3-4; no process of the killed run survives;
 - padded rows (one per sample) give the first step of the default shared-prompt rows;
 - a reward model (on its own pool) scores every sample as HF's sequence classifier does;
 - PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
@@ -105,29 +105,30 @@ COMPARED = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/entro
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(prompts, tmp_path_factory):
-    """Step -> metrics of a 4-step colocated run (2 ranks, two engines of TP=1): the oracle of the
-    resumed run and of the run with engines on a pool of their own."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    code, output = _run(_overrides(prompts, out, **FOUR_STEPS) + ["--no-export"])
+def separate_pools(prompts, tmp_path_factory):
+    """Step -> metrics of an uninterrupted 4-step run with every role on a pool of its own: the
+    actor on 2 trainer ranks, two TP=1 engines on 2 ranks of their own (fed by the separate-pool
+    sync), the reference at PP=2 on 2 more. The oracle of the colocated runs below: the same
+    seed, data and model, so every step (rollouts after each sync, KL to the reference) must match."""
+    separate = {**FOUR_STEPS, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 6,
+                "cluster.pools": "{train: 2, rollout: 2, reference: 2}", "actor.pool": "train",
+                "rollout.placement": "separate", "rollout.pool": "rollout", "ref.pool": "reference",
+                "ref.layout.pp": 2}
+    out = tmp_path_factory.mktemp("separate")
+    code, output = _run(_overrides(prompts, out, **separate) + ["--no-export"])
     assert code == 0, output[-3000:]
-    assert "rows: one per prompt, its samples as branches" in output, output[-3000:]  # the default at n > 1
-    # engines use their ranks' cores, not the one thread Ray gives its actors (2 ranks here)
-    threads = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert f"2 SGLang engine(s) of TP=1 colocated ({threads} CPU thread(s) per rank)" in output, output[-3000:]
+    assert "pool 'reference': 2 rank(s) of ref (layout tp=1 pp=2 cp=1)" in output, output[-3000:]
+    assert "2 SGLang engine(s) of TP=1 on their own pool 'rollout'" in output, output[-3000:]
     return {m["step"]: m for m in _metrics(out)}
 
 
-def _assert_same_steps(run: dict, oracle: dict, steps) -> None:
-    for step in steps:
-        for key in COMPARED:
-            assert run[step][key] == pytest.approx(oracle[step][key], rel=1e-5, abs=1e-6), (step, key)
-
-
-def test_resume_after_sigkill_matches_an_uninterrupted_run(prompts, uninterrupted, tmp_path):
-    common = FOUR_STEPS
-    out = tmp_path / "killed"
-    proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **common) + ["--no-export"], cwd=ROOT,
+@pytest.fixture(scope="module")
+def killed_and_resumed(prompts, tmp_path_factory):
+    """A colocated run (2 ranks, two engines of TP=1) whose driver is SIGKILLed after its step-2
+    checkpoint, then run again: (step -> metrics of both parts, the second part's output, the
+    processes of the killed run still alive after it)."""
+    out = tmp_path_factory.mktemp("killed")
+    proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **FOUR_STEPS) + ["--no-export"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
@@ -145,31 +146,37 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(prompts, uninterrupte
                      if p.name() not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")]
     finally:
         _kill_session(proc.pid)
-    code, output = _run(_overrides(prompts, out, **common) + ["--no-export"])
+    code, output = _run(_overrides(prompts, out, **FOUR_STEPS) + ["--no-export"])
     assert code == 0, output[-3000:]
+    return {m["step"]: m for m in _metrics(out)}, output, survivors
+
+
+def _assert_same_steps(run: dict, oracle: dict, steps) -> None:
+    for step in steps:
+        for key in COMPARED:
+            assert run[step][key] == pytest.approx(oracle[step][key], rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(separate_pools, killed_and_resumed):
+    steps, output, survivors = killed_and_resumed
     assert "resumed from" in output
-    _assert_same_steps({m["step"]: m for m in _metrics(out)}, uninterrupted, (3, 4))
+    _assert_same_steps(steps, separate_pools, (3, 4))
     assert survivors == [], f"processes of the killed run still alive: {survivors}"
 
 
-def test_every_role_on_a_pool_of_its_own_matches_the_colocated_run(prompts, uninterrupted, tmp_path):
-    """The same two TP=1 engines, now on 2 ranks of their own, fed by the 2 trainer ranks through
-    the separate-pool sync, and the reference on 2 more ranks at PP=2: every step (rollouts after
-    each sync, KL to the reference) equals the colocated run's."""
-    separate = {**FOUR_STEPS, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 6,
-                "cluster.pools": "{train: 2, rollout: 2, reference: 2}", "actor.pool": "train",
-                "rollout.placement": "separate", "rollout.pool": "rollout", "ref.pool": "reference",
-                "ref.layout.pp": 2}
-    code, output = _run(_overrides(prompts, tmp_path / "separate", **separate) + ["--no-export"])
-    assert code == 0, output[-3000:]
-    assert "pool 'reference': 2 rank(s) of ref (layout tp=1 pp=2 cp=1)" in output, output[-3000:]
-    assert "2 SGLang engine(s) of TP=1 on their own pool 'rollout'" in output, output[-3000:]
-    steps = {m["step"]: m for m in _metrics(tmp_path / "separate")}
-    _assert_same_steps(steps, uninterrupted, (1, 2, 3, 4))
-    assert steps[4]["actor/kl_loss"] > 1e-6  # the reference's log-probs are in the compared loss
+def test_every_role_on_a_pool_of_its_own_matches_the_colocated_run(separate_pools, killed_and_resumed):
+    """The colocated run's steps before its kill (steps 1-2: the second samples from weights
+    synced after an update) equal the separate pools' (its steps 3-4 are the resume test's)."""
+    steps, output, _ = killed_and_resumed
+    assert "rows: one per prompt, its samples as branches" in output, output[-3000:]  # the default at n > 1
+    # engines use their ranks' cores, not the one thread Ray gives its actors (2 ranks here)
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"2 SGLang engine(s) of TP=1 colocated ({threads} CPU thread(s) per rank)" in output, output[-3000:]
+    _assert_same_steps(steps, separate_pools, (1, 2))
+    assert separate_pools[4]["actor/kl_loss"] > 1e-6  # the reference's log-probs are in the compared loss
 
 
-def test_padded_rows_give_the_shared_prompt_runs_first_step(prompts, uninterrupted, tmp_path):
+def test_padded_rows_give_the_shared_prompt_runs_first_step(prompts, separate_pools, tmp_path):
     """actor.shared_prompts=false (a row per sample) for the actor and the reference, against the
     default (rollout.n > 1: each prompt once, its samples as branches): the first step (same
     rollouts: same initial weights and seed) has the same losses, entropy, KL and grad norm. Later
@@ -178,7 +185,7 @@ def test_padded_rows_give_the_shared_prompt_runs_first_step(prompts, uninterrupt
     code, output = _run(_overrides(prompts, tmp_path / "padded", **padded) + ["--no-export"])
     assert code == 0, output[-3000:]
     assert "rows: one per sample" in output, output[-3000:]
-    _assert_same_steps({m["step"]: m for m in _metrics(tmp_path / "padded")}, uninterrupted, (1,))
+    _assert_same_steps({m["step"]: m for m in _metrics(tmp_path / "padded")}, separate_pools, (1,))
 
 
 SHIFTED_REWARD = """

@@ -180,9 +180,10 @@ def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_clu
 def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, prompts, tmp_path):
     env = _env(slurm_cluster)
     out, log = tmp_path / "run", tmp_path / "job.out"
-    # Steps take 0.2-0.5 s here: the signal must come while the run still has steps to do, so the
-    # run is long and the first checkpoint is watched closely.
-    steps = 40
+    # Steps take 0.2-1.5 s here: the signal must come while the run still has steps to do (it comes
+    # within ~1 s of the first checkpoint, watched closely), and every step after the requeue costs
+    # its time again: 20 steps leave a margin of 18.
+    steps = 20
     job = _submit(env, log, _train_args(prompts, out, **{"trainer.total_steps": steps, "trainer.save_every": 1}))
     first = out / "checkpoints" / "step_000001" / "trainer_state.json"
     _wait(job, env, timeout_s=420, until=lambda i: first.is_file(), poll_s=0.1)
