@@ -27,7 +27,7 @@ from model_specs.presets import PRESETS, save_tiny_hf_model
 from parallel.cpu_stubs import child_env
 from tests import sglang_probe
 from tests.processes import live, live_descendants
-from tests.sglang_oracle import sglang_all_rank_parameters
+from tests.sglang_oracle import sglang_all_rank_parameters, sglang_oracle_batch
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-path tests")
 
@@ -266,6 +266,11 @@ def test_shared_memory_payload_names_a_reused_buffer(tmp_path):
 
 class TestWeightUpdate:
     TP = 2
+
+    @pytest.fixture(scope="class", autouse=True)
+    def oracle(self, model_dirs, second_llama):
+        """SGLang's loaders' parameters of both checkpoints, from one oracle process (then cached)."""
+        sglang_oracle_batch([(model_dirs["tiny-llama"], self.TP), (second_llama, self.TP)])
 
     @pytest.fixture(scope="class")
     def engine(self, model_dirs):
