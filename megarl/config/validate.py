@@ -437,11 +437,20 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
         if hf_config is not None:
             heads = hf_config["num_attention_heads"]
             kv = hf_config.get("num_key_value_heads") or heads
-            if heads % r.tp or (kv % r.tp and r.tp % kv):
-                good = [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
-                p.add("rollout.tp", r.tp, f"SGLang needs num_attention_heads={heads} divisible by tp and "
-                      f"num_key_value_heads={kv} divisible by tp or tp by it (KV heads are split or replicated)",
-                      f"pick one of {good}")
+            # SGLang's GPU engines replicate the KV heads over a tp above their number; its CPU
+            # engine pads them to a multiple of tp instead (and the query heads with them), a
+            # layout the weight sync does not write.
+            cpu = cfg.cluster.device == "cpu"
+
+            def fits(tp: int) -> bool:
+                return heads % tp == 0 and (kv % tp == 0 or (tp % kv == 0 and not cpu))
+
+            if not fits(r.tp):
+                need = (f"num_key_value_heads={kv} divisible by tp on CPU (SGLang's CPU engine pads the KV "
+                        "heads instead of replicating them)" if cpu
+                        else f"num_key_value_heads={kv} divisible by tp or tp by it (KV heads are split or replicated)")
+                p.add("rollout.tp", r.tp, f"SGLang needs num_attention_heads={heads} divisible by tp and {need}",
+                      f"pick one of {[t for t in range(1, heads + 1) if fits(t)]}")
 
 
 def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None) -> None:

@@ -123,17 +123,24 @@ def test_megatron_tp_must_divide_the_heads_but_sglang_may_replicate_kv(problems,
     # tiny-qwen2 has 4 query heads and ONE KV head: Megatron cannot split it over tp=2 ...
     line = _one(problems("actor.layout.tp=2"))
     assert line.startswith("actor.layout.tp=2 must divide num_attention_heads=4 and num_key_value_heads=1")
-    # ... while SGLang replicates the KV head, so rollout tp=2 (or 4 on 4 ranks) is fine.
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "rollout.tp=2"])
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "rollout.tp=4", "cluster.cpu_ranks_per_node=4"])
+    # ... while SGLang's GPU engines replicate the KV head, so rollout tp=2 (or 4 on 4 ranks) is fine
+    # there; its CPU engine pads the KV heads to tp instead (checked against the real engine: a
+    # [96, 64] qkv_proj per rank at tp=2, not the replicated [64, 64]), which the weight sync does not write.
+    gpu = ["cluster.gpus_per_node=4"]
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, *gpu, "rollout.tp=2"])
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, *gpu, "rollout.tp=4"])
+    line = _one(problems("rollout.tp=2"))
+    assert line.startswith("rollout.tp=2: SGLang needs num_attention_heads=4 divisible by tp and "
+                           "num_key_value_heads=1 divisible by tp on CPU"), line
+    assert "pick one of [1]" in line
 
 
 def test_rollout_tp_against_heads_and_its_pool(problems):
     lines = problems("rollout.tp=3", "cluster.cpu_ranks_per_node=6", "data.batch_size=6")
     line = _one(lines)
     assert line.startswith("rollout.tp=3: SGLang needs num_attention_heads=4 divisible by tp")
-    assert "pick one of [1, 2, 4]" in line
-    line = _one(problems("rollout.tp=4"))  # 4 divides the heads but the pool has 2 ranks
+    assert "pick one of [1]" in line  # on CPU; [1, 2, 4] on GPUs (KV heads replicated)
+    line = _one(problems("rollout.tp=4", "cluster.gpus_per_node=2"))  # 4 fits the heads (GPU), not the 2 ranks
     assert line.startswith("rollout.tp=4: the rollout pool 'global' has 2 ranks")
 
 
