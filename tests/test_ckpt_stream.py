@@ -110,15 +110,20 @@ def test_streamed_checkpoint_is_megatrons_checkpoint(tmp_path, case):
         assert torch.equal(exported[name], tensor.to(exported[name].dtype)), name
 
 
-def convert_measuring_peak_rss(direction, source, target):
-    """One conversion rank (a fresh process); returns its peak RSS in bytes as the kernel counts it
-    (``ru_maxrss``), from before the conversion's imports of the model to its end."""
-    import resource
-
+def convert_on_ranks(direction, source, target, layout_kwargs, verify=True):
     from parallel.convert import conversion_on_rank
     from parallel.layout import MegatronLayout
 
-    conversion_on_rank(direction, source, target, MegatronLayout(), False)
+    return conversion_on_rank(direction, source, target, MegatronLayout(**layout_kwargs), verify)
+
+
+def convert_measuring_peak_rss(direction, source, target):
+    """One unverified conversion rank (a fresh process; the logit probe's HF model would grow with
+    the model); returns its peak RSS in bytes as the kernel counts it (``ru_maxrss``), which
+    includes what it inherits from the fork server: the same for every model size."""
+    import resource
+
+    convert_on_ranks(direction, source, target, {}, verify=False)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -144,13 +149,6 @@ def test_peak_memory_does_not_grow_with_the_model(tmp_path):
     assert growth < 4 * largest + 0.05 * model_bytes, (
         f"peak RSS {peaks[2] / 2**20:.0f} MiB (2 layers) -> {peaks[40] / 2**20:.0f} MiB (40 layers, "
         f"{model_bytes / 2**20:.0f} MiB of weights, largest tensor {largest / 2**20:.1f} MiB)")
-
-
-def convert_on_ranks(direction, source, target, layout_kwargs):
-    from parallel.convert import conversion_on_rank
-    from parallel.layout import MegatronLayout
-
-    return conversion_on_rank(direction, source, target, MegatronLayout(**layout_kwargs), True)
 
 
 EXPORTS = {  # (model, overrides, save layout and ranks, export layout and ranks)
