@@ -61,6 +61,10 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = dict(
 # Set in the engine's environment: its processes add ``Scheduler.megarl_reseed`` at import time.
 SCHEDULER_PATCH_ENV_VAR = "MEGARL_SGLANG_SCHEDULER_PATCH"
 RESEED_RPC = "megarl_reseed"  # the Scheduler method reseed() calls on every rank
+# SGLang's model registry imports only this package's model classes (megarl's families) instead of
+# every architecture it has; others still resolve (see megarl.rollout.sglang_models).
+EXTERNAL_MODEL_PACKAGE_ENV_VAR = "SGLANG_EXTERNAL_MODEL_PACKAGE"
+SGLANG_MODELS_PACKAGE = "megarl.rollout.sglang_models"
 
 
 class EngineError(RuntimeError):
@@ -262,6 +266,7 @@ class SGLangEngine:
         child_env["PYTHONPATH"] = os.pathsep.join(
             front + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in front])
         child_env[SCHEDULER_PATCH_ENV_VAR] = "1"
+        child_env.setdefault(EXTERNAL_MODEL_PACKAGE_ENV_VAR, SGLANG_MODELS_PACKAGE)
         child_env.update(env or {})
         if mem_fraction_static is not None:
             kwargs["mem_fraction_static"] = mem_fraction_static
@@ -725,6 +730,7 @@ def _fork_engine_children(conn: Connection) -> None:
 
     import sglang.srt.managers.detokenizer_manager  # noqa: F401 - imported once, inherited by the forks
     import sglang.srt.managers.scheduler  # noqa: F401
+    import sglang.srt.models.registry  # noqa: F401 - and the model classes it imports
 
     set_start_method = multiprocessing.set_start_method
 
