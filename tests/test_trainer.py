@@ -1,11 +1,11 @@
 """`megarl train` end to end on CPU: real Ray, real Megatron workers, real SGLang engines.
 
 - learning: GRPO raises the mean reward far beyond a no-update control (lr = 0) run of the same
-  seed; the first rollout's SGLang log-probs equal the actor's recomputation (step-0 check);
+  seed; the first rollout's SGLang log-probs equal the actor's recomputation (step-0 check); the
+  control lays out a row per sample and its first step equals the GRPO run's shared-prompt rows;
 - pools and resume, against one uninterrupted run with every role on a pool of its own: a
   colocated run gives its steps 1-2, is SIGKILLed (driver) after its step-2 checkpoint, and
   resumed gives its steps 3-4; no process of the killed run survives;
-- padded rows (one per sample) give the first step of the default shared-prompt rows;
 - a reward model (on its own pool) scores every sample as HF's sequence classifier does;
 - PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
   a SIGTERM makes the driver finish its step, save a checkpoint and exit with status 143;
@@ -82,12 +82,16 @@ def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
               "data.batch_size": 16, "rollout.n": 8, "actor.micro_batch_size": 16, "ref.micro_batch_size": 16}
     code, output = _run(_overrides(prompts, tmp_path / "grpo", **common), timeout_s=900)
     assert code == 0, output[-3000:]
-    # The no-update control: lr must be > 0, and at 1e-12 Adam moves each weight by ~1e-12.
-    control_settings = {**common, "actor.optim.lr": 1e-12, "trainer.total_steps": 8}
+    assert "rows: one per prompt, its samples as branches" in output, output[-3000:]  # the default at n > 1
+    # The no-update control: lr must be > 0, and at 1e-12 Adam moves each weight by ~1e-12. It also
+    # lays out a row per sample (actor.shared_prompts=false): see the padded-rows check below.
+    control_settings = {**common, "actor.optim.lr": 1e-12, "trainer.total_steps": 8, "actor.shared_prompts": "false"}
     code, control_output = _run(_overrides(prompts, tmp_path / "control", **control_settings), timeout_s=600)
     assert code == 0, control_output[-3000:]
-    grpo = [m["reward/mean"] for m in _metrics(tmp_path / "grpo")]
-    control = [m["reward/mean"] for m in _metrics(tmp_path / "control")]
+    assert "rows: one per sample" in control_output, control_output[-3000:]
+    grpo_steps, control_steps = _metrics(tmp_path / "grpo"), _metrics(tmp_path / "control")
+    grpo = [m["reward/mean"] for m in grpo_steps]
+    control = [m["reward/mean"] for m in control_steps]
     print("GRPO reward per step:", [round(r, 3) for r in grpo])
     print("no-update control:   ", [round(r, 3) for r in control])
     first, last = sum(grpo[:3]) / 3, sum(grpo[-3:]) / 3
@@ -95,9 +99,13 @@ def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
     assert last - first > max(0.08, 2 * spread), (grpo, control)
     assert max(control) < last, (grpo, control)
     # Step 0: the engine's log-probs of its own samples equal the actor's recomputation.
-    gap = _metrics(tmp_path / "grpo")[0]["actor/rollout_logp_gap"]
+    gap = grpo_steps[0]["actor/rollout_logp_gap"]
     assert gap < 1.01  # mean exp|diff|: 1.0 is exact agreement
     assert (tmp_path / "grpo" / "hf_final" / "model.safetensors").is_file()
+    # Padded rows: the first step (same initial weights, seed and so rollouts; the learning rate
+    # acts only after it) has the shared-prompt run's losses, entropy, KL and grad norm. Later steps
+    # sample from other weights.
+    _assert_same_steps({m["step"]: m for m in control_steps}, {m["step"]: m for m in grpo_steps}, (1,))
 
 
 FOUR_STEPS = {"trainer.total_steps": 4, "trainer.save_every": 2, "data.batch_size": 8, "rollout.n": 4}
@@ -168,24 +176,11 @@ def test_every_role_on_a_pool_of_its_own_matches_the_colocated_run(separate_pool
     """The colocated run's steps before its kill (steps 1-2: the second samples from weights
     synced after an update) equal the separate pools' (its steps 3-4 are the resume test's)."""
     steps, output, _ = killed_and_resumed
-    assert "rows: one per prompt, its samples as branches" in output, output[-3000:]  # the default at n > 1
     # engines use their ranks' cores, not the one thread Ray gives its actors (2 ranks here)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert f"2 SGLang engine(s) of TP=1 colocated ({threads} CPU thread(s) per rank)" in output, output[-3000:]
     _assert_same_steps(steps, separate_pools, (1, 2))
     assert separate_pools[4]["actor/kl_loss"] > 1e-6  # the reference's log-probs are in the compared loss
-
-
-def test_padded_rows_give_the_shared_prompt_runs_first_step(prompts, separate_pools, tmp_path):
-    """actor.shared_prompts=false (a row per sample) for the actor and the reference, against the
-    default (rollout.n > 1: each prompt once, its samples as branches): the first step (same
-    rollouts: same initial weights and seed) has the same losses, entropy, KL and grad norm. Later
-    steps sample from weights that differ by rounding, amplified by Adam, so they are not compared."""
-    padded = {**FOUR_STEPS, "trainer.total_steps": 2, "trainer.save_every": 0, "actor.shared_prompts": "false"}
-    code, output = _run(_overrides(prompts, tmp_path / "padded", **padded) + ["--no-export"])
-    assert code == 0, output[-3000:]
-    assert "rows: one per sample" in output, output[-3000:]
-    _assert_same_steps({m["step"]: m for m in _metrics(tmp_path / "padded")}, separate_pools, (1,))
 
 
 SHIFTED_REWARD = """

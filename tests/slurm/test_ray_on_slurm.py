@@ -1,14 +1,14 @@
 """launch_scripts/ray_on_slurm.sh on a real two-node Slurm (tests/slurm/conftest.py), with real Ray
 and the real trainer (tiny, CPU):
 
-a. a 2-node job trains: COMPLETED, the steps ran, the Megatron workers ran on both nodes (seen in
-   the OS: the `ray::MegatronWorker` processes of the job carry n1's and n2's SLURMD_NODENAME,
-   i.e. the raylet of each node started one), and nothing of the job is left running;
+a. a 2-node job trains: the Megatron workers run on both nodes (seen in the OS: the
+   `ray::MegatronWorker` processes of the job carry n1's and n2's SLURMD_NODENAME, i.e. the raylet
+   of each node started one); the pre-timeout signal makes it checkpoint, requeue itself, resume
+   from the checkpoint and finish every step exactly once (COMPLETED), and nothing of the job is
+   left running (one job for both: each costs two full job start-ups);
 b. a node whose `ray start` fails, or never joins: the job fails within a bounded time and names
    the node;
-c. preemption: the pre-timeout signal makes the job checkpoint, requeue itself, resume from the
-   checkpoint and finish every step exactly once;
-d. a Ray node lost while the driver runs (its raylet killed): named, the driver asked to stop,
+c. a Ray node lost while the driver runs (its raylet killed): named, the driver asked to stop,
    the job fails and leaves nothing running.
 
 Jobs are watched by polling `scontrol show job` (sbatch --wait polls slowly). Processes are
@@ -125,30 +125,6 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_two_node_training_job(slurm_cluster, prompts, tmp_path):
-    env = _env(slurm_cluster, MEGARL_VENV=str(VENV_BIN.parent))
-    out, log = tmp_path / "run", tmp_path / "job.out"
-    job = _submit(env, log, _train_args(prompts, out))
-    seen: dict[str, set[str]] = {}
-
-    def snapshot():
-        for _, cmdline, node in _job_processes(job):
-            for name in ("ray::MegatronWorker", "ray::RolloutWorker", "raylet", "gcs_server", "megarl train"):
-                if name in cmdline:
-                    seen.setdefault(name, set()).add(node)
-
-    info = _wait(job, env, timeout_s=420, every=snapshot)
-    text = _log(log)
-    assert info["JobState"] == "COMPLETED", f"job {job}: {info.get('JobState')}\n{text[-6000:]}"
-    assert [m["step"] for m in _metrics(out)] == [1, 2], text[-3000:]
-    assert "preflight: 2 node(s), backend gloo: OK" in text and "all 2 Ray nodes joined" in text, text[-3000:]
-    # Each node's raylet ran one Megatron rank: the workers ran on both nodes; the driver on the head.
-    assert seen.get("ray::MegatronWorker") == {"n1", "n2"}, seen
-    assert seen.get("raylet") == {"n1", "n2"}, seen
-    assert seen.get("megarl train") == {"n1"}, seen
-    assert _no_leftovers(job) == [], "processes of the finished job still running"
-
-
 @pytest.mark.parametrize("fault", ["exits", "hangs"])
 def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_cluster, tmp_path, fault):
     # The fault, on n2 only: `ray start` fails (a broken install) or never joins (e.g. the head is
@@ -177,22 +153,35 @@ def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_clu
     assert _no_leftovers(job) == [], "processes of the failed job still running"
 
 
-def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, prompts, tmp_path):
-    env = _env(slurm_cluster)
+def test_two_node_training_job_is_preempted_requeued_and_resumed(slurm_cluster, prompts, tmp_path):
+    env = _env(slurm_cluster, MEGARL_VENV=str(VENV_BIN.parent))
     out, log = tmp_path / "run", tmp_path / "job.out"
     # Steps take 0.2-1.5 s here: the signal must come while the run still has steps to do (it comes
     # within ~1 s of the first checkpoint, watched closely), and every step after the requeue costs
     # its time again: 20 steps leave a margin of 18.
     steps = 20
     job = _submit(env, log, _train_args(prompts, out, **{"trainer.total_steps": steps, "trainer.save_every": 1}))
+    seen: dict[str, set[str]] = {}
+
+    def snapshot():
+        for _, cmdline, node in _job_processes(job):
+            for name in ("ray::MegatronWorker", "ray::RolloutWorker", "raylet", "gcs_server", "megarl train"):
+                if name in cmdline:
+                    seen.setdefault(name, set()).add(node)
+
     first = out / "checkpoints" / "step_000001" / "trainer_state.json"
     _wait(job, env, timeout_s=420, until=lambda i: first.is_file(), poll_s=0.1)
     assert _job(job, env).get("JobState") == "RUNNING", _log(log)[-4000:]
     # What Slurm does at --signal=B:USR1@<secs> before the time limit: USR1 to the batch shell.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True)
-    info = _wait(job, env, timeout_s=480)
+    info = _wait(job, env, timeout_s=480, every=snapshot)  # the processes of the resumed run
     text = _log(log)
     assert info["JobState"] == "COMPLETED", f"job {job}: {info.get('JobState')}\n{text[-6000:]}"
+    assert "preflight: 2 node(s), backend gloo: OK" in text and "all 2 Ray nodes joined" in text, text[-3000:]
+    # Each node's raylet ran one Megatron rank: the workers ran on both nodes; the driver on the head.
+    assert seen.get("ray::MegatronWorker") == {"n1", "n2"}, seen
+    assert seen.get("raylet") == {"n1", "n2"}, seen
+    assert seen.get("megarl train") == {"n1"}, seen
     assert int(info["Restarts"]) >= 1, info
     assert "requeueing job" in text and "SIGTERM received" in text, text[-6000:]
     resumed = re.search(r"megarl: resumed from \S+step_(\d+) \(step (\d+)\)", text)
