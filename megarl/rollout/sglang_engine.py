@@ -258,6 +258,10 @@ class SGLangEngine:
             kwargs.update(CPU_ENGINE_DEFAULTS)
             child_env = stub_env(child_env)
             child_env["SGLANG_USE_CPU_ENGINE"] = "1"
+            # SGLang's @torch.compile'd helpers (e.g. the vocab embedding's mask at TP > 1) would be
+            # compiled to C++ by inductor on each scheduler's first request: a tiny TP=2 engine's
+            # first generate took 38-55 s, each later one under 1 s. Eager, they are a few ops.
+            child_env.setdefault("TORCHDYNAMO_DISABLE", "1")
             if tp_size > 1:  # one NUMA node cannot host several ranks without an explicit bind
                 child_env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(tp_size))
         # The sitecustomize in SITE_DIR installs the scheduler patch (reseed) on every device and
@@ -564,19 +568,6 @@ def _patch_scheduler_module(module) -> None:
     setattr(scheduler, RESEED_RPC, _scheduler_reseed)
 
 
-_VOCAB_EMBEDDING_MODULE = "sglang.srt.layers.vocab_parallel_embedding"
-
-
-def _uncompile_vocab_mask(module) -> None:
-    """CPU engines: SGLang's vocab-parallel embedding masks its input (at TP > 1) with a
-    ``@torch.compile``d function, which inductor compiles to C++ on the first request of every
-    scheduler: a TP=2 tiny engine's first generate took 38-55 s here, each later one under 1 s.
-    The function itself (a few pointwise ops) runs instead."""
-    masked = getattr(module, "get_masked_input_and_mask", None)
-    if masked is not None:
-        module.get_masked_input_and_mask = getattr(masked, "_torchdynamo_orig_callable", masked)
-
-
 class _PostImportPatch(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for one module it asks the finders after it for the spec and wraps
     the loader's ``exec_module`` so the module is patched right after it executes. Removes itself
@@ -605,9 +596,8 @@ class _PostImportPatch(importlib.abc.MetaPathFinder):
 def install_scheduler_patch() -> None:
     """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class,
     batch the torch-native backend's attention (:mod:`megarl.rollout.batched_attention`), sample
-    by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`), run fp32 CPU linears through
-    oneDNN (:mod:`parallel.cpu_linear`) and, in CPU engines (``SGLANG_USE_CPU_ENGINE=1``), skip
-    the compile of the vocab embedding's mask (:func:`_uncompile_vocab_mask`) in this process: now for a module
+    by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and run fp32 CPU linears through
+    oneDNN (:mod:`parallel.cpu_linear`) in this process: now for a module
     imported already, otherwise right after its import. Run at interpreter start (before SGLang
     is imported) in every process of an engine by the ``sitecustomize`` in
     ``parallel/cpu_stubs/site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
@@ -620,11 +610,9 @@ def install_scheduler_patch() -> None:
     from megarl.rollout.inverse_cdf_sampling import SAMPLER_MODULE, patch_sampler_module
     from parallel.cpu_linear import SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module
 
-    patches = [(_SCHEDULER_MODULE, _patch_scheduler_module), (BACKEND_MODULE, patch_backend_module),
-               (SAMPLER_MODULE, patch_sampler_module), (SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module)]
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-        patches.append((_VOCAB_EMBEDDING_MODULE, _uncompile_vocab_mask))
-    for name, patch in patches:
+    for name, patch in ((_SCHEDULER_MODULE, _patch_scheduler_module), (BACKEND_MODULE, patch_backend_module),
+                        (SAMPLER_MODULE, patch_sampler_module),
+                        (SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module)):
         if name in sys.modules:
             patch(sys.modules[name])
         elif not any(isinstance(f, _PostImportPatch) and f.fullname == name for f in sys.meta_path):
