@@ -68,17 +68,17 @@ class BranchIndex:
         device = segments.device
         flat = torch.arange(s, device=device)[None, :] * rows + torch.arange(rows, device=device)[:, None]
         prefix_len = (segments == PREFIX).sum(1)
-        span = torch.arange(max(int(prefix_len.max()), 1), device=segments.device)
+        span = torch.arange(max(int(prefix_len.max()), 1), device=device)
         prefix, prefix_valid = flat[:, span.clamp(max=s - 1)], span[None] < prefix_len[:, None]
         in_branch = segments > PREFIX
-        row_of = torch.arange(rows, device=segments.device)[:, None].expand(rows, s)[in_branch]
+        row_of = torch.arange(rows, device=device)[:, None].expand(rows, s)[in_branch]
         branch_key = row_of * (int(segments.max()) + 1) + segments[in_branch]  # (row, branch), in token order
         _, branch_of, counts = torch.unique_consecutive(branch_key, return_inverse=True, return_counts=True)
         starts = counts.cumsum(0) - counts
-        within = torch.arange(len(branch_key), device=segments.device) - starts[branch_of]
+        within = torch.arange(len(branch_key), device=device) - starts[branch_of]
         branches = torch.zeros(len(counts), int(counts.max()) if len(counts) else 1, dtype=torch.long,
-                               device=segments.device)
-        branch_valid = torch.zeros(branches.shape, dtype=torch.bool, device=segments.device)
+                               device=device)
+        branch_valid = torch.zeros(branches.shape, dtype=torch.bool, device=device)
         branches[branch_of, within] = flat[in_branch]
         branch_valid[branch_of, within] = True
         branch_row = row_of[starts]
@@ -91,10 +91,10 @@ class BranchIndex:
 
         branch_allowed = torch.cat([prefix_valid[branch_row][:, None, :].expand(-1, branches.shape[1], -1),
                                     causal(branch_valid)], dim=2)
-        context_source = torch.full((rows * s,), prefix.numel() + branches.numel(), dtype=torch.long, device=device)
-        context_source[prefix[prefix_valid]] = torch.arange(prefix.numel(), device=device).view(prefix.shape)[prefix_valid]
-        context_source[branches[branch_valid]] = (prefix.numel() + torch.arange(branches.numel(), device=device)
-                                                  .view(branches.shape)[branch_valid])
+        slots = torch.cat([prefix.reshape(-1), branches.reshape(-1)])  # the attention outputs' tokens, in order
+        valid = torch.cat([prefix_valid.reshape(-1), branch_valid.reshape(-1)])
+        context_source = torch.full((rows * s,), len(slots), dtype=torch.long, device=device)  # the zero row
+        context_source[slots[valid]] = torch.arange(len(slots), device=device)[valid]
         return cls(prefix, prefix_valid, branches, branch_valid, branch_row, causal(prefix_valid),
                    torch.cat([prefix[branch_row], branches], 1), branch_allowed, context_source)
 
