@@ -2,9 +2,11 @@
 
     bash ci/setup_bench_env.sh     # once: .venv-bench with TRL (never in the package's environment)
     .venv/bin/python tools/bench_rl.py [--frameworks megarl,trl] [--presets bench-qwen2-300k,small-qwen2-20m]
-        [--lengths 8,16] [--threads 2] [--warmup 2] [--steps 5] [--output runs/bench_rl.json]
+        [--lengths 8,16] [--threads 2] [--warmup 2] [--steps 5] [--rounds 3] [--output runs/bench_rl.json]
 
-Each case (preset x completion length L) runs both frameworks, one after the other, on:
+Each case (preset x completion length L) runs both frameworks one after the other, ``--rounds``
+times, alternating which goes first (this machine's speed drifts 15-20% within minutes, so one
+pair of runs can swing the ratio that much), on:
 
 * the same local HF model directory (``save_tiny_hf_model(preset, dir, seed)`` plus the char
   tokenizer), fp32, random init;
@@ -30,7 +32,9 @@ Python); its times are the ``time/*`` entries of ``<output_dir>/metrics.jsonl``.
 ``--warmup`` steps are excluded; times are medians over the ``--steps`` timed steps (robust to
 the bursts of other processes on a shared machine; the JSON keeps every step). Peak memory is
 the largest summed PSS of the side's process tree, sampled every ``PSS_EVERY_S`` (5 s).
-``speedup`` is TRL's s/step over megarl's (> 1: megarl is faster).
+A round's speedup is TRL's s/step over megarl's (> 1: megarl is faster); a case reports the
+median of its rounds' speedups and their range, and per framework the median over rounds of each
+column.
 
 The machine's load average is printed with the table: another busy process makes 2-thread steps
 many times slower (../shared/notes/rl_on_cpu.md); compare numbers only from a quiet machine.
@@ -348,9 +352,58 @@ def run_megarl(args, root: Path, preset: str, length: int, workdir: Path) -> dic
 # ------------------------------------------------------------------------ parent: the report
 
 
+def run_round(args, workdir: Path, case: dict, index: int) -> dict:
+    """One run of each framework on the case; even rounds start with TRL, odd ones with megarl, so
+    a slow spell of the machine (a pure GEMM loop here moves 15-20% within seconds) does not
+    always land on the same side. Returns ``{framework: result, "speedup": TRL/megarl}``."""
+    preset, length = case["preset"], case["length"]
+    order = sorted(args.frameworks, key=FRAMEWORKS[::-1].index)  # trl first
+    if index % 2:
+        order.reverse()
+    results: dict = {}
+    for framework in order:
+        side_dir = workdir / f"{preset}-L{length}" / f"round{index + 1}" / framework
+        side_dir.mkdir(parents=True)
+        log(f"{preset} ({case['params'] / 1e6:.2f}M params) L={length} round {index + 1}/{args.rounds}: {framework}")
+        runner = run_trl if framework == "trl" else run_megarl
+        try:
+            r = runner(args, workdir, preset, length, side_dir)
+        except SideFailed as error:
+            log(f"{framework} failed: {error}")
+            results[framework] = {"error": str(error)}
+            continue
+        r["completions_per_s"] = COMPLETIONS_PER_STEP / r["step_s"]
+        r["tokens_per_s"] = r["tokens_per_step"] / r["step_s"]
+        results[framework] = r
+        log(f"{framework}: {r['step_s']:.3f} s/step, {r['completions_per_s']:.1f} completions/s")
+    if all("step_s" in results.get(f, {}) for f in FRAMEWORKS):
+        results["speedup"] = results["trl"]["step_s"] / results["megarl"]["step_s"]
+        log(f"round {index + 1}: speedup {results['speedup']:.2f}x")
+    return results
+
+
+def summarize_case(case: dict, frameworks: list[str]) -> None:
+    """``case["results"]``: per framework, the median over its successful rounds of every table
+    column (peak memory: the largest); ``case["speedup"]``: the median of the rounds' ratios,
+    with ``speedups`` (each round's) beside it."""
+    case["results"] = {}
+    for framework in frameworks:
+        ok = [rnd[framework] for rnd in case["rounds"] if "step_s" in rnd.get(framework, {})]
+        if not ok:
+            case["results"][framework] = {"error": case["rounds"][-1][framework]["error"]}
+            continue
+        columns = ("step_s", "completions_per_s", "tokens_per_s", "generate_s", "update_s", "other_s")
+        case["results"][framework] = dict({key: statistics.median(r[key] for r in ok) for key in columns},
+                                          peak_gb=max(r["peak_gb"] for r in ok), rounds=len(ok))
+    speedups = [rnd["speedup"] for rnd in case["rounds"] if "speedup" in rnd]
+    if speedups:
+        case["speedups"] = speedups
+        case["speedup"] = statistics.median(speedups)
+
+
 def table(cases: list[dict]) -> str:
     head = (f"{'case':<24} {'framework':<9} {'s/step':>8} {'compl/s':>8} {'tok/s':>8} {'gen s':>7} "
-            f"{'update s':>8} {'other s':>7} {'peak GB':>7} {'speedup':>8}")
+            f"{'update s':>8} {'other s':>7} {'peak GB':>7} {'speedup (range)':>18}")
     lines = [head, "-" * len(head)]
     for case in cases:
         label = f"{case['preset']} L={case['length']}"
@@ -358,11 +411,14 @@ def table(cases: list[dict]) -> str:
             if "error" in r:
                 lines.append(f"{label:<24} {framework:<9} failed: {r['error'].splitlines()[0]}")
             else:
-                speedup = f"{case['speedup']:.2f}x" if framework == "megarl" and "speedup" in case else ""
+                speedup = ""
+                if framework == "megarl" and "speedup" in case:
+                    low, high = min(case["speedups"]), max(case["speedups"])
+                    speedup = f"{case['speedup']:.2f}x" + (f" ({low:.2f}-{high:.2f})" if len(case["speedups"]) > 1 else "")
                 lines.append(
                     f"{label:<24} {framework:<9} {r['step_s']:>8.3f} {r['completions_per_s']:>8.1f} "
                     f"{r['tokens_per_s']:>8.0f} {r['generate_s']:>7.3f} {r['update_s']:>8.3f} {r['other_s']:>7.3f} "
-                    f"{r['peak_gb']:>7.2f} {speedup:>8}")
+                    f"{r['peak_gb']:>7.2f} {speedup:>18}")
             label = ""
     return "\n".join(lines)
 
@@ -375,6 +431,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="threads (and CPUs) of each side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of each framework per case, alternating which goes first; the "
+                             "speedup is the median of the rounds' ratios")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--micro-batch", type=int, default=COMPLETIONS_PER_STEP,
                         help=f"completions per forward/backward pass, both sides (divides {COMPLETIONS_PER_STEP})")
@@ -404,8 +463,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         problems.append(f"--micro-batch must divide {COMPLETIONS_PER_STEP}, got {args.micro_batch}")
     if args.threads > len(os.sched_getaffinity(0)) or args.threads < 1:
         problems.append(f"--threads {args.threads}: this process may use {len(os.sched_getaffinity(0))} CPUs")
-    if args.warmup < 0 or args.steps < 1:
-        problems.append(f"need --warmup >= 0 and --steps >= 1, got {args.warmup}, {args.steps}")
+    if args.warmup < 0 or args.steps < 1 or args.rounds < 1:
+        problems.append(f"need --warmup >= 0, --steps >= 1 and --rounds >= 1, got {args.warmup}, {args.steps}, "
+                        f"{args.rounds}")
     if problems:
         parser.error("; ".join(problems))
     return args
@@ -442,27 +502,13 @@ def main(argv=None) -> int:
             raise SystemExit(f"bench_rl: building the models and prompts failed: {error}") from None
         for preset in args.presets:
             for length in args.lengths:
-                case = {"preset": preset, "params": prepared["params"][preset], "length": length, "results": {}}
-                case_dir = workdir / f"{preset}-L{length}"
-                for framework in sorted(args.frameworks, key=FRAMEWORKS[::-1].index):  # trl first
-                    (case_dir / framework).mkdir(parents=True)
-                    log(f"{preset} ({case['params'] / 1e6:.2f}M params) L={length}: {framework}")
-                    runner = run_trl if framework == "trl" else run_megarl
-                    try:
-                        r = runner(args, workdir, preset, length, case_dir / framework)
-                    except SideFailed as error:
-                        log(f"{framework} failed: {error}")
-                        case["results"][framework] = {"error": str(error)}
-                        continue
-                    r["completions_per_s"] = COMPLETIONS_PER_STEP / r["step_s"]
-                    r["tokens_per_s"] = r["tokens_per_step"] / r["step_s"]
-                    case["results"][framework] = r
-                    log(f"{framework}: {r['step_s']:.3f} s/step, {r['completions_per_s']:.1f} completions/s")
-                results = case["results"]
-                if all("step_s" in results.get(f, {}) for f in FRAMEWORKS):
-                    case["speedup"] = results["trl"]["step_s"] / results["megarl"]["step_s"]
+                case = {"preset": preset, "params": prepared["params"][preset], "length": length, "rounds": []}
+                for index in range(args.rounds):
+                    case["rounds"].append(run_round(args, workdir, case, index))
+                summarize_case(case, args.frameworks)
                 cases.append(case)
-        succeeded = not any("error" in r for c in cases for r in c["results"].values())
+        succeeded = not any("error" in r for c in cases for rnd in c["rounds"] for r in rnd.values()
+                            if isinstance(r, dict))
     finally:
         if args.keep_workdir or not succeeded:  # a failed side's log stays readable
             log(f"kept {workdir}")
@@ -473,14 +519,16 @@ def main(argv=None) -> int:
 
     load_end = os.getloadavg()
     report = {
-        "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "micro_batch": args.micro_batch,
+        "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+        "micro_batch": args.micro_batch,
         "completions_per_step": COMPLETIONS_PER_STEP, "cpus": os.cpu_count(),
         "loadavg_start": load_start, "loadavg_end": load_end,
         "main_env": {"torch": prepared["torch"], "transformers": prepared["transformers"]}, "cases": cases,
     }
     print()
     print(table(cases))
-    print(f"speedup = TRL s/step / megarl s/step; gen/update/other = per-step phase medians; peak = process-tree PSS. "
+    print(f"speedup = TRL s/step / megarl s/step, the median over {args.rounds} round(s) (range: each round's); "
+          f"columns: medians over rounds of per-step medians; peak = process-tree PSS. "
           f"Load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end ({os.cpu_count()} CPUs).")
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
