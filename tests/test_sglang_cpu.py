@@ -7,7 +7,6 @@ failing test, never a dead pytest. One engine runs at a time (module-scoped, par
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import subprocess
@@ -22,7 +21,7 @@ from safetensors.torch import load_file
 
 from megarl.rollout import (EngineDiedError, EngineTimeoutError, SGLangEngine, SharedMemoryStaging,
                             serialize_rank_tensors,
-                            sglang_tensor_checksum)
+                            weight_checksum)
 from model_specs.presets import PRESETS, save_tiny_hf_model
 from parallel.cpu_stubs import child_env
 from tests import sglang_probe
@@ -217,7 +216,7 @@ def second_llama(tmp_path_factory):
 
 
 def _checksums(per_rank: list[dict[str, torch.Tensor]]) -> list[dict[str, str]]:
-    return [{name: sglang_tensor_checksum(t) for name, t in tensors.items()} for tensors in per_rank]
+    return [{name: weight_checksum(t) for name, t in tensors.items()} for tensors in per_rank]
 
 
 def test_rank_payload_is_self_contained_and_owns_its_bytes():
@@ -231,9 +230,21 @@ def test_rank_payload_is_self_contained_and_owns_its_bytes():
     assert [n for n, _ in decoded] == list(tensors)
     for (name, got), want in zip(decoded, tensors.values()):
         assert torch.equal(got, want) and got.is_contiguous(), name
-    assert sglang_tensor_checksum(base[:2]) == hashlib.sha256(base[:2].numpy().tobytes()).hexdigest()[:16]
     with pytest.raises(TypeError, match="str -> torch.Tensor"):
         serialize_rank_tensors({"x": [1.0]})
+
+
+def test_weight_checksum_names_values_dtype_and_shape():
+    """The parity probe's checksum: the same values hash alike in any memory layout; one flipped
+    bit, the same bytes read as another dtype, or as another shape, hash differently."""
+    weight = torch.randn(64, 48)
+    digest = weight_checksum(weight)
+    assert weight_checksum(weight.t().contiguous().t()) == digest  # column-major copy, same values
+    flipped = weight.clone()
+    flipped.view(torch.int32)[17, 5] ^= 1
+    others = [flipped, weight.view(torch.int32), weight.reshape(48, 64), weight.reshape(-1)]
+    assert len({digest, *map(weight_checksum, others)}) == 1 + len(others)
+    assert weight_checksum(torch.zeros(0, 4)) != weight_checksum(torch.zeros(4, 0))
 
 
 def test_shared_memory_payload_names_a_reused_buffer(tmp_path):

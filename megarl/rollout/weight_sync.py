@@ -2,10 +2,11 @@
 
 The trainer side runs the resharding plan (``parallel.plan``) into per-SGLang-rank buffers;
 ``sync_weights`` delivers them in place (SGLang's "direct" load inside a weight-update session)
-and then runs the parity probe: the checksum of every parameter as each SGLang TP rank holds it,
-computed inside the engine's schedulers, must equal the checksum of the buffer the trainer
-computed for it. A mismatch fails loudly with the rank and the parameter. ``logprob_probe`` is the second, end-to-end probe: the engine's log-probs of a
-fixed completion against the trainer's.
+and then runs the parity probe: the checksum (``weight_checksum``) of every parameter as each
+SGLang TP rank holds it, computed inside the engine's schedulers by SGLang's weight checker, must
+equal the checksum of the buffer the trainer computed for it. A mismatch fails loudly with the
+rank and the parameter. ``logprob_probe`` is the second, end-to-end probe: the engine's log-probs
+of a fixed completion against the trainer's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megarl.rollout.sglang_engine import SGLangEngine, sglang_tensor_checksum
+from megarl.rollout.sglang_engine import SGLangEngine, weight_checksum
 
 
 class WeightSyncError(RuntimeError):
@@ -24,8 +25,9 @@ class WeightSyncError(RuntimeError):
 
 
 def shard_checksums(per_rank: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, str]]:
-    """What each SGLang rank must hold after the sync, as SGLang's weight checker reports it."""
-    return [{name: sglang_tensor_checksum(tensor) for name, tensor in tensors.items()} for tensors in per_rank]
+    """What each SGLang rank must hold after the sync, as SGLang's weight checker (hashing with
+    ``weight_checksum``) reports it."""
+    return [{name: weight_checksum(tensor) for name, tensor in tensors.items()} for tensors in per_rank]
 
 
 def shards_for_transport(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
@@ -77,7 +79,7 @@ def sync_weights(engine: SGLangEngine, per_rank: Sequence[Mapping[str, torch.Ten
                                          flush_cache=flush_cache and index == len(buckets) - 1)
     pushed = time.perf_counter()
     if verify:
-        # hashlib releases the GIL: hash the trainer's shards while the schedulers hash theirs
+        # xxhash releases the GIL: hash the trainer's shards while the schedulers hash theirs
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             expected = pool.submit(shard_checksums, per_rank)
             check_parity(engine, expected)
