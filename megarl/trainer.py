@@ -424,7 +424,10 @@ class Trainer:
         import ray
 
         tp = self.cfg.rollout.tp
-        rounds = [(ranks, [w.rollout_shards.remote(plan) for w in self.workers]) for ranks, plan in self.sync_rounds]
+        # colocated CPU engines read the shards straight from the workers' shared memory
+        staged = self.cfg.rollout.placement == "colocated" and self.cfg.cluster.device == "cpu"
+        rounds = [(ranks, [w.rollout_shards.remote(plan, staged) for w in self.workers])
+                  for ranks, plan in self.sync_rounds]
         if self.cfg.rollout.placement == "separate":
             per_rank = {rank: shards[device] for ranks, shards in rounds for device, rank in ranks.items()}
             arguments = [[per_rank[r] for r in range(tp)]] * len(self.engines)

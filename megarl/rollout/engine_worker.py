@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from megarl.rollout.sglang_engine import SGLangEngine
+from megarl.rollout.sglang_engine import SGLangEngine, staged_tensors
 from megarl.rollout.weight_sync import shards_from_transport, sync_weights
 
 
@@ -32,14 +32,16 @@ class RolloutWorker:
         prefill_shared_prompts(self.engine, prompts)
         return self.engine.generate(prompts, sampling_params, return_logprob=True)
 
-    def update_weights(self, *per_rank: dict[str, tuple] | None) -> dict[str, float]:
+    def update_weights(self, *per_rank: dict[str, tuple] | bytes | None) -> dict[str, float]:
         """Copy each engine rank's shards (argument r = rank r, as ``shards_for_transport`` packs
-        them) in place and verify checksums."""
+        them, or a trainer's ``SharedMemoryStaging.named`` payload of them) in place and verify
+        checksums."""
         if any(tensors is None for tensors in per_rank):
             raise ValueError("weight sync: an engine rank received no shards (the plan's destinations "
                              "and the engine's ranks disagree)")
         self._stale_prefix_cache = True  # flushed by the next generate (cheaply, when it re-seeds)
-        return sync_weights(self.engine, [shards_from_transport(packed) for packed in per_rank], flush_cache=False)
+        return sync_weights(self.engine, [staged_tensors(shards) if isinstance(shards, bytes) else
+                                          shards_from_transport(shards) for shards in per_rank], flush_cache=False)
 
     def release_memory(self) -> None:
         if self.engine.device != "cpu":

@@ -148,7 +148,11 @@ class SharedMemoryStaging:
     copies (the handle's pipe, SGLang's zmq hop, the unpickling) per update: 88 MB went from
     0.6 s to 0.1 s here. The schedulers copy out of the buffer before the update call returns,
     so the next update may overwrite it. When /dev/shm cannot hold a buffer, ``payload`` returns
-    None and the caller sends the bytes inline (:func:`serialize_rank_tensors`)."""
+    None and the caller sends the bytes inline (:func:`serialize_rank_tensors`).
+
+    A trainer process on the engine's host can write its shards straight into such a buffer
+    (:meth:`views`, then :meth:`named`): tensors already in shared memory are named as they are,
+    never copied again."""
 
     ALIGN = 64  # bytes; every tensor starts at a multiple (any dtype's alignment)
 
@@ -159,47 +163,84 @@ class SharedMemoryStaging:
     def _aligned(cls, nbytes: int) -> int:
         return -(-nbytes // cls.ALIGN) * cls.ALIGN
 
-    def payload(self, rank: int, tensors: dict[str, Any]) -> bytes | None:
-        import io
+    def views(self, rank: int, layout: dict[str, tuple]) -> dict[str, Any] | None:
+        """Rank ``rank``'s buffer carved into one tensor per ``name: (shape, dtype)`` (grown when
+        too small; its contents are not kept then); None when /dev/shm cannot hold it."""
         import shutil
-        from multiprocessing.reduction import ForkingPickler
 
         import torch
-        import torch.multiprocessing as torch_mp
+
+        sizes = {name: torch.Size(shape).numel() * dtype.itemsize for name, (shape, dtype) in layout.items()}
+        need = sum(self._aligned(n) for n in sizes.values())
+        buffer = self._buffers.get(rank)
+        if buffer is None or buffer.numel() < need:
+            self._buffers.pop(rank, None)
+            try:
+                free = shutil.disk_usage("/dev/shm").free
+            except OSError:
+                return None
+            if free < need * 1.25:
+                return None
+            with _file_system_sharing():  # a named segment any local process can map
+                buffer = self._buffers[rank] = torch.empty(need, dtype=torch.uint8).share_memory_()
+        views, offset = {}, 0
+        for name, (shape, dtype) in layout.items():
+            views[name] = buffer[offset: offset + sizes[name]].view(dtype).view(shape)
+            offset += self._aligned(sizes[name])
+        return views
+
+    @staticmethod
+    def named(tensors: dict[str, Any]) -> bytes:
+        """The payload of tensors that live in shared memory: their names and buffers, no bytes."""
+        import io
+        from multiprocessing.reduction import ForkingPickler
+
         import torch.multiprocessing.reductions  # noqa: F401 - registers the tensor reducers
 
+        out = io.BytesIO()
+        with _file_system_sharing():
+            ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(_payload_items(tensors))
+        return out.getvalue()
+
+    def payload(self, rank: int, tensors: dict[str, Any]) -> bytes | None:
         items = _payload_items(tensors)
         if any(t.device.type != "cpu" for _, t in items):
             return None
-        need = sum(self._aligned(t.numel() * t.element_size()) for _, t in items)
-        buffer = self._buffers.get(rank)
-        previous = torch_mp.get_sharing_strategy()
-        torch_mp.set_sharing_strategy("file_system")  # a named segment any local process can map
-        try:
-            if buffer is None or buffer.numel() < need:
-                self._buffers.pop(rank, None)
-                try:
-                    free = shutil.disk_usage("/dev/shm").free
-                except OSError:
-                    return None
-                if free < need * 1.25:
-                    return None
-                buffer = self._buffers[rank] = torch.empty(need, dtype=torch.uint8).share_memory_()
-            views, offset = [], 0
-            for name, tensor in items:
-                nbytes = tensor.numel() * tensor.element_size()
-                view = buffer[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape)
-                view.copy_(tensor)
-                views.append((name, view))
-                offset += self._aligned(nbytes)
-            out = io.BytesIO()
-            ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(views)
-            return out.getvalue()
-        finally:
-            torch_mp.set_sharing_strategy(previous)
+        if items and all(t.is_shared() for _, t in items):  # e.g. a trainer's staged shards
+            return self.named(dict(items))
+        views = self.views(rank, {name: (t.shape, t.dtype) for name, t in items})
+        if views is None:
+            return None
+        for name, tensor in items:
+            views[name].copy_(tensor)
+        return self.named(views)
 
     def close(self) -> None:
         self._buffers.clear()
+
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """torch's ``file_system`` sharing strategy for the block: tensors shared or pickled in it are
+    named segments that any local process maps by name (the default, file descriptors, needs
+    the receiver to be a child of the sender's multiprocessing tree)."""
+    import torch.multiprocessing as torch_mp
+
+    previous = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch_mp.set_sharing_strategy(previous)
+
+
+def staged_tensors(payload: bytes) -> dict[str, Any]:
+    """The tensors a :meth:`SharedMemoryStaging.named` payload names, mapped in this process."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing.reductions  # noqa: F401 - registers the tensor rebuilders
+
+    return dict(ForkingPickler.loads(payload))
 
 
 def _payload_items(tensors: dict[str, Any]) -> list:

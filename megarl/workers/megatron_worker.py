@@ -138,6 +138,7 @@ class MegatronWorker:
         self.group = group
         self.models: dict[str, _Model] = {}
         self.layout = None
+        self._staging = None  # shared-memory buffer of the rollout shards (rollout_shards(staged=True))
 
     # ------------------------------------------------------------------ building
 
@@ -405,12 +406,16 @@ class MegatronWorker:
 
     # ------------------------------------------------------------------ weight sync
 
-    def rollout_shards(self, plan) -> dict[str, tuple] | None:
+    def rollout_shards(self, plan, staged: bool = False) -> dict[str, tuple] | bytes | None:
         """Run this rank's part of the actor -> SGLang resharding ``plan``; returns the SGLang
         tensors of the engine rank assembled on this device (None if none is), packed for Ray
-        (``megarl.rollout.weight_sync.shards_for_transport``)."""
+        (``megarl.rollout.weight_sync.shards_for_transport``), or with ``staged`` (the engine runs
+        on this host, on CPU) written into this worker's shared-memory staging buffer and returned
+        as the few-KB payload that names it (``SharedMemoryStaging.named``): the engine's
+        schedulers copy straight out of it, with no Ray object and no second staging copy."""
         import torch.distributed as dist
 
+        from megarl.rollout.sglang_engine import SharedMemoryStaging
         from megarl.rollout.weight_sync import shards_for_transport
         from parallel.plan import execute_plan
 
@@ -418,10 +423,18 @@ class MegatronWorker:
         modules = self.models["actor"].modules
         sources = {(i, name): p.data for i, module in enumerate(modules) for name, p in module.named_parameters()}
         wanted = plan.destinations.get(device, {})
+        if not wanted:
+            return None
         dtype = next(iter(sources.values())).dtype
-        buffers = {name: torch.empty(t.shape, dtype=dtype) for name, t in wanted.items()}
+        buffers = None
+        if staged:
+            self._staging = self._staging or SharedMemoryStaging()
+            buffers = self._staging.views(0, {name: (t.shape, dtype) for name, t in wanted.items()})
+        staged = buffers is not None  # else /dev/shm had no room: through Ray
+        if buffers is None:
+            buffers = {name: torch.empty(t.shape, dtype=dtype) for name, t in wanted.items()}
         execute_plan(plan, device, sources, buffers)
-        return shards_for_transport(buffers) if buffers else None
+        return SharedMemoryStaging.named(buffers) if staged else shards_for_transport(buffers)
 
     # ------------------------------------------------------------------ checkpoints
 
