@@ -42,12 +42,13 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used as asked; the message names the file/tensor and the fix."""
 
 
-def tensor_checksum(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (dtype and shape included), stable across layouts."""
+def tensor_checksum(tensor: torch.Tensor, algorithm=hashlib.sha256) -> str:
+    """Hex digest (``algorithm``: a hashlib-style constructor) of a tensor's dtype, shape and
+    row-major bytes: stable across layouts; CUDA tensors are hashed from a host copy."""
     data = tensor.detach().contiguous().cpu()
-    digest = hashlib.sha256(f"{data.dtype}:{tuple(data.shape)}:".encode())
+    digest = algorithm(f"{data.dtype}:{tuple(data.shape)}:".encode())
     if data.numel():
-        digest.update(data.reshape(-1).view(torch.uint8).numpy())  # hashes the buffer, no copy
+        digest.update(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # hashes the buffer, no copy
     return digest.hexdigest()
 
 

@@ -256,19 +256,16 @@ def _payload_items(tensors: dict[str, Any]) -> list:
 
 
 def weight_checksum(tensor) -> str:
-    """The parity probe's checksum of one tensor: xxh3-128 of its dtype, shape and row-major bytes.
-    The trainer hashes what it sends with it, and SGLang's weight checker hashes what each engine
-    rank holds with it (:func:`install_scheduler_patch` puts it in place of the checker's own
-    hash, a sha256 on CPU: 88 MB took 84 ms there against 12 ms here, on each side of every
-    sync). CUDA tensors are hashed from a host copy, on both sides alike."""
-    import torch
+    """The parity probe's checksum of one tensor: :func:`parallel.hf_io.tensor_checksum` with
+    xxh3-128. The trainer hashes what it sends with it, and SGLang's weight checker hashes what
+    each engine rank holds with it (:func:`install_scheduler_patch` puts it in place of the
+    checker's own hash, a sha256 on CPU: 88 MB took 84 ms there against 12 ms here, on each side
+    of every sync)."""
     import xxhash
 
-    t = tensor.detach().contiguous().cpu()
-    digest = xxhash.xxh3_128(f"{t.dtype}:{tuple(t.shape)}:".encode())
-    if t.numel():
-        digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return digest.hexdigest()
+    from parallel.hf_io import tensor_checksum
+
+    return tensor_checksum(tensor, xxhash.xxh3_128)
 
 
 class SGLangEngine:
