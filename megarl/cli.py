@@ -95,8 +95,8 @@ def _convert(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from parallel.dist_ckpt import read_checkpoint_metadata
-    from parallel.hf_io import CheckpointError, HFCheckpoint
+    from parallel.checkpoint.dist_ckpt import read_checkpoint_metadata
+    from parallel.checkpoint.hf_io import CheckpointError, HFCheckpoint
     from parallel.layout import LayoutError, MegatronLayout
 
     layout = MegatronLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
@@ -113,13 +113,13 @@ def _convert(args: argparse.Namespace) -> int:
     except (CheckpointError, LayoutError, ValueError) as error:
         print(f"megarl convert: {error}", file=sys.stderr)
         return 2
-    from parallel.convert import conversion_on_rank  # megatron's imports (~6 s): only for a valid request
+    from parallel.checkpoint.convert import conversion_on_rank  # megatron's imports (~6 s): only for a valid request
     from parallel.spawn import run_on_ranks
 
     if under_launcher:  # torchrun / srun: this process is one rank
         import torch.distributed as dist
 
-        from parallel import cpu_compat
+        from parallel.cpu import compat as cpu_compat
 
         dist.init_process_group("gloo" if cpu_compat.apply() else "nccl")
         report = conversion_on_rank(args.direction, args.input, args.output, layout, not args.no_verify)
@@ -137,9 +137,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Compare two checkpoints (HF or megarl Megatron, any saved layout) tensor by tensor."""
+    from parallel.checkpoint.verify import verify_on_rank
     from parallel.layout import MegatronLayout
     from parallel.spawn import RankFailedError, run_on_ranks
-    from parallel.verify import verify_on_rank
 
     layout = MegatronLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
     try:

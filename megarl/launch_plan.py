@@ -37,8 +37,8 @@ from typing import Any
 
 from megarl.config.schema import TRAINED_ROLES, VALUE_ROLES, RunConfig
 from parallel.memory import (
-    GiB,
     RUNTIME_RESERVE_BYTES,
+    GiB,
     MemoryEstimate,
     ModelShape,
     RolloutMemory,
@@ -310,7 +310,7 @@ CONVERT_PROCESS_BYTES = 0.4 * GiB  # a conversion rank's imports and meta model 
 def conversion_plan(cfg: RunConfig, ranks_per_node: int, verify: bool = True) -> str:
     """What ``megarl convert`` at the actor's layout holds per rank and node (host memory).
 
-    Conversion streams (``parallel/ckpt_stream.py``): a rank holds one stored shard at a time
+    Conversion streams (``parallel/checkpoint/stream.py``): a rank holds one stored shard at a time
     (fp32, plus its serialised copy while it is written or read), and rank 0 of an export also
     the full HF tensor it is assembling. Only the logit probe of the verification builds the
     model (the rank's stage in fp32); it is skipped above 2B parameters. A layout needs tp*pp*cp
@@ -320,7 +320,7 @@ def conversion_plan(cfg: RunConfig, ranks_per_node: int, verify: bool = True) ->
 
     from megarl.config.validate import model_hf_config
     from parallel.memory import ModelShape, megatron_stage_params
-    from parallel.shards import hf_tensor_shapes, megatron_shards
+    from parallel.reshard.shards import hf_tensor_shapes, megatron_shards
 
     hf = model_hf_config(cfg.model.path)
     shape = ModelShape.from_hf(hf)

@@ -7,7 +7,8 @@ import dataclasses
 from megarl.data.synthetic import arithmetic_sequence_batches
 from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
 from model_specs.presets import hf_config_dict
-from parallel.layout import MegatronLayout, build_model_chunks, init_params_layout_independent, initialize_megatron
+from parallel.layout import MegatronLayout, initialize_megatron
+from parallel.models import build_model_chunks, init_params_layout_independent
 
 
 @dataclasses.dataclass

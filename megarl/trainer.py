@@ -77,7 +77,7 @@ def weight_sync_rounds(cfg: RunConfig, hf_config: dict) -> list[tuple[dict[int, 
     """The checked resharding plans of one weight sync, in order: (device -> SGLang rank assembled
     there, plan) per round for engines on their own pool, or one (None, plan) when colocated (engine
     e's rank r assembled on device e * rollout.tp + r)."""
-    from parallel.plan import plan_megatron_to_sglang, separate_pool_rounds
+    from parallel.reshard.plan import plan_megatron_to_sglang, separate_pool_rounds
 
     world, tp = cfg.world_size_for("actor"), cfg.rollout.tp
     rounds = separate_pool_rounds(world, tp) if cfg.rollout.placement == "separate" else [None]
@@ -166,7 +166,7 @@ class Trainer:
 
         from megarl.rollout.engine_worker import RolloutWorker
         from megarl.workers.megatron_worker import MegatronWorker
-        from parallel.hf_io import HFCheckpoint
+        from parallel.checkpoint.hf_io import HFCheckpoint
 
         cfg = self.cfg
         world = cfg.world_size_for("actor")
@@ -186,7 +186,7 @@ class Trainer:
         threads = None if gpu else max(1, cpus // (cfg.cluster.ranks_per_node if on_cluster else cfg.cluster.world_size))
         worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(MegatronWorker)
         self.placements, self.groups = {}, {}  # pool -> its placement group, its Megatron workers
-        for pool, roles in worker_groups(cfg).items():
+        for pool, _roles in worker_groups(cfg).items():
             size = cfg.cluster.pool_sizes()[pool]
             pg = self.placements[pool] = _ready_placement_group([bundle] * size)
             address, port = ray.get(ray.remote(num_cpus=0)(_address).options(**_in_bundle(pg, 0)).remote())

@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from parallel.context_parallel import split_for_context_parallel
 from parallel.layout import MegatronLayout
+from parallel.modules.context_parallel import split_for_context_parallel
 
 
 @dataclasses.dataclass

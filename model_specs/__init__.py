@@ -20,5 +20,5 @@ def family_for(hf_config: dict) -> ModelFamily:
     return FAMILIES[model_type]
 
 
-__all__ = ["CLASSIFIER_HEAD", "classifier_labels", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "ModelFamily", "UnsupportedModelError", "family_for",
-           "padded_vocab_size"]
+__all__ = ["CLASSIFIER_HEAD", "classifier_labels", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "ModelFamily",
+           "UnsupportedModelError", "family_for", "padded_vocab_size"]

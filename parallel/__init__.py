@@ -1,1 +1,17 @@
-"""Layouts, process groups, CPU compatibility, resharding and checkpoint IO; knows bytes, not RL."""
+"""Layouts, model building, resharding and checkpoint IO for Megatron models; knows bytes, not RL.
+
+Layers inside (imports point downwards only; ``tests/test_architecture.py`` enforces it):
+
+- ``checkpoint/``  HF safetensors IO, Megatron dist checkpoints, streamed conversion, verification
+- ``reshard/``     where every shard lives (boxes of the HF tensors) and plans that move them
+- ``forward``      forward-only passes at any layout (logits, values)
+- ``models``       this rank's model chunks (policy, critic) and layout-independent initialisation
+- ``layout``       a Megatron layout: validation and process groups
+- ``modules/``     torch modules and functions used inside a forward: attention variants, packing,
+                   vocab-parallel log-probs, the value head
+- ``cpu/``         what exists only because there is no GPU: megatron-core patches, oneDNN
+                   linears, SGLang import stubs
+
+Beside them, on no layer of their own: ``memory`` (closed-form memory per GPU), ``preflight``
+(a multi-node allocation check) and ``spawn`` (N local torch.distributed ranks).
+"""

@@ -42,7 +42,7 @@ def threads_per_rank(world_size: int) -> int:
 
 
 # Imported once by the fork server of a machine without CUDA, inherited by every rank it forks.
-FORKSERVER_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "parallel.cpu_compat"]
+FORKSERVER_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "parallel.cpu.compat"]
 
 
 def _context() -> mp.context.BaseContext:
@@ -74,7 +74,7 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, env, conn, init_distrib
         if init_distributed:
             import torch.distributed as dist
 
-            from parallel import cpu_compat
+            from parallel.cpu import compat as cpu_compat
 
             cpu_mode = cpu_compat.apply()
             dist.init_process_group(

@@ -103,9 +103,10 @@ def compare_loads_and_exports(jobs: list[tuple[str, str, str, bool]], layouts: l
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from parallel.convert import export_hf_checkpoint, load_hf_into_chunks
-    from parallel.hf_io import HFCheckpoint
-    from parallel.layout import build_model_chunks, initialize_megatron
+    from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
+    from parallel.checkpoint.hf_io import HFCheckpoint
+    from parallel.layout import initialize_megatron
+    from parallel.models import build_model_chunks
 
     # mbridge writes no index for single-file checkpoints and says so; nothing is missing.
     warnings.filterwarnings("ignore", message="No index file found")

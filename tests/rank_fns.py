@@ -46,7 +46,8 @@ def first_step_grad_norm(layout_kwargs, untag_sequence_parallel_norms=False, con
     from megarl.data.synthetic import arithmetic_sequence_batches
     from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
     from model_specs.presets import hf_config_dict
-    from parallel.layout import MegatronLayout, build_model_chunks, init_params_layout_independent, initialize_megatron
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks, init_params_layout_independent
 
     layout = MegatronLayout(**layout_kwargs)
     hf = hf_config_dict("tiny-llama")
@@ -72,7 +73,7 @@ def compat_patches_in_isolation():
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from parallel import cpu_compat
+    from parallel.cpu import compat as cpu_compat
 
     out = {"applied": cpu_compat.apply()}
 
@@ -125,9 +126,11 @@ def convert_roundtrip(jobs, layout_kwargs, tokens):
     -> HF export at ``export_dir``. Returns the logits per job (last pipeline stage, else None)."""
     from megatron.core import parallel_state
 
-    from parallel.convert import export_hf_checkpoint, load_hf_into_chunks, megatron_logits
-    from parallel.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
+    from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
+    from parallel.checkpoint.hf_io import HFCheckpoint
+    from parallel.forward import megatron_logits
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks
 
     layout = MegatronLayout(**layout_kwargs)
     initialize_megatron(layout)
@@ -150,10 +153,12 @@ def checkpoint_logits(hf_dir, ckpt_dir, layout_kwargs, tokens):
     layout, save them to ``ckpt_dir`` when coming from HF, and return the logits on ``tokens``."""
     from megatron.core import parallel_state
 
-    from parallel.convert import load_hf_into_chunks, megatron_logits
-    from parallel.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata, save_megatron_checkpoint
-    from parallel.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
+    from parallel.checkpoint.convert import load_hf_into_chunks
+    from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata, save_megatron_checkpoint
+    from parallel.checkpoint.hf_io import HFCheckpoint
+    from parallel.forward import megatron_logits
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks
 
     layout = MegatronLayout(**layout_kwargs)
     initialize_megatron(layout)
@@ -177,10 +182,11 @@ def reshard_megatron_to_sglang(hf_dir, layout_kwargs, rollout_tp, bucket_bytes):
     Megatron -> SGLang plan over gloo, and return (this device's SGLang tensors, traffic stats)."""
     from megatron.core import parallel_state
 
-    from parallel.convert import load_hf_into_chunks
-    from parallel.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
-    from parallel.plan import execute_plan, plan_megatron_to_sglang
+    from parallel.checkpoint.convert import load_hf_into_chunks
+    from parallel.checkpoint.hf_io import HFCheckpoint
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks
+    from parallel.reshard.plan import execute_plan, plan_megatron_to_sglang
 
     layout = MegatronLayout(**layout_kwargs)
     ckpt = HFCheckpoint(hf_dir)
@@ -205,10 +211,11 @@ def train_one_step_then_reshard(hf_dir, layout_kwargs, rollout_tps, export_dir):
 
     from megarl.data.synthetic import arithmetic_sequence_batches
     from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
-    from parallel.convert import export_hf_checkpoint, load_hf_into_chunks
-    from parallel.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
-    from parallel.plan import execute_plan, plan_megatron_to_sglang
+    from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
+    from parallel.checkpoint.hf_io import HFCheckpoint
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks
+    from parallel.reshard.plan import execute_plan, plan_megatron_to_sglang
 
     layout = MegatronLayout(**layout_kwargs)
     ckpt = HFCheckpoint(hf_dir)
@@ -239,7 +246,7 @@ def _row_logits(chunk, inputs, local_positions, seq_length):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from parallel.convert import undo_context_parallel_split
+    from parallel.modules.context_parallel import undo_context_parallel_split
 
     collected = []
 
@@ -270,8 +277,9 @@ def packed_logprobs(layouts, lengths, seed):
     from megatron.core import parallel_state
 
     from model_specs.presets import hf_config_dict
-    from parallel.layout import MegatronLayout, build_model_chunks, init_params_layout_independent, initialize_megatron
-    from parallel.packing import pack_sequences, unpack
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks, init_params_layout_independent
+    from parallel.modules.packing import pack_sequences, unpack
 
     hf = hf_config_dict("tiny-qwen2")
     vocab = hf["vocab_size"]
@@ -321,8 +329,9 @@ def packed_loss_grads(lengths, seed):
     from megatron.core import parallel_state
 
     from model_specs.presets import hf_config_dict
-    from parallel.layout import MegatronLayout, build_model_chunks, init_params_layout_independent, initialize_megatron
-    from parallel.packing import pack_sequences, unpack
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks, init_params_layout_independent
+    from parallel.modules.packing import pack_sequences, unpack
 
     hf = hf_config_dict("tiny-qwen2")
     vocab = hf["vocab_size"]
@@ -413,7 +422,7 @@ def vocab_parallel_slice_outputs(logits, targets, vocab_size, grad_logp, grad_en
     from megatron.core import parallel_state
 
     from parallel.layout import MegatronLayout, initialize_megatron
-    from parallel.vocab_parallel import vocab_parallel_log_probs
+    from parallel.modules.vocab_parallel import vocab_parallel_log_probs
 
     initialize_megatron(MegatronLayout(tp=dist.get_world_size()))
     local = logits.shape[-1] // dist.get_world_size()

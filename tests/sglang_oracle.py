@@ -99,7 +99,7 @@ def _cache_key(hf_dir: str | os.PathLike, tp_size: int) -> tuple:
 
 
 def _run_oracle(requests: list[tuple[str, int]]) -> list[list[dict[str, torch.Tensor]]]:
-    from parallel.cpu_stubs import child_env
+    from parallel.cpu.sglang_stubs import child_env
 
     env = child_env()
     env.pop("SGLANG_USE_CPU_ENGINE", None)  # the GPU path's layout, see the module docstring
@@ -159,9 +159,9 @@ def _build_rank(hf_dir: str, tp_size: int, rank: int, hf: dict[str, torch.Tensor
     import importlib
 
     from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     parallel = get_parallel()
     parallel.clear_stamp()
@@ -188,7 +188,7 @@ def _build_rank(hf_dir: str, tp_size: int, rank: int, hf: dict[str, torch.Tensor
 
 
 def _main(out: str, requests: list[tuple[str, int]]) -> None:
-    from parallel.cpu_stubs import install
+    from parallel.cpu.sglang_stubs import install
 
     install()
     _install_vllm_placeholder()

@@ -11,7 +11,7 @@ import megarl.rollout.batched_attention as batched
 
 @pytest.fixture(scope="module")
 def backend():
-    from parallel.cpu_stubs import install
+    from parallel.cpu.sglang_stubs import install
 
     install()  # SGLang imports CUDA-only modules (triton, ...): the CPU stubs stand in
     from sglang.srt.layers.attention import torch_native_backend

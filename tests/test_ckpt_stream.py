@@ -1,4 +1,4 @@
-"""Streamed conversion (parallel/ckpt_stream.py) against megatron's own save and load, and its
+"""Streamed conversion (parallel/checkpoint/stream.py) against megatron's own save and load, and its
 memory bound.
 
 Oracles: ``megatron.core.dist_checkpointing.save`` of the built, filled model (the checkpoint the
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from model_specs.presets import hf_config_dict, save_tiny_hf_model
-from parallel.hf_io import HFCheckpoint
-from parallel.shards import hf_tensor_shapes
+from parallel.checkpoint.hf_io import HFCheckpoint
+from parallel.reshard.shards import hf_tensor_shapes
 from parallel.spawn import run_on_ranks
 
 
@@ -27,10 +27,11 @@ def save_both_ways(hf_dir, old_dir, new_dir, layout_kwargs):
     """The same source saved by megatron's save of the built model and by the streamed writer."""
     from megatron.core import parallel_state
 
-    from parallel.ckpt_stream import save_streamed
-    from parallel.convert import load_hf_into_chunks
-    from parallel.dist_ckpt import save_megatron_checkpoint, write_megatron_checkpoint
-    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
+    from parallel.checkpoint.convert import load_hf_into_chunks
+    from parallel.checkpoint.dist_ckpt import save_megatron_checkpoint, write_megatron_checkpoint
+    from parallel.checkpoint.stream import save_streamed
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks
 
     layout = MegatronLayout(**layout_kwargs)
     initialize_megatron(layout)
@@ -46,9 +47,10 @@ def load_and_export(ckpt_dir, export_dir, layout_kwargs):
     """megatron's load of ``ckpt_dir`` into this layout's model, exported by the gather path."""
     from megatron.core import parallel_state
 
-    from parallel.convert import export_hf_checkpoint
-    from parallel.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
-    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
+    from parallel.checkpoint.convert import export_hf_checkpoint
+    from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks
 
     layout = MegatronLayout(**layout_kwargs)
     initialize_megatron(layout)
@@ -111,7 +113,7 @@ def test_streamed_checkpoint_is_megatrons_checkpoint(tmp_path, case):
 
 
 def convert_on_ranks(direction, source, target, layout_kwargs, verify=True):
-    from parallel.convert import conversion_on_rank
+    from parallel.checkpoint.convert import conversion_on_rank
     from parallel.layout import MegatronLayout
 
     return conversion_on_rank(direction, source, target, MegatronLayout(**layout_kwargs), verify)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model_specs.presets import hf_config_dict, save_tiny_hf_model
-from parallel.hf_io import HFCheckpoint
+from parallel.checkpoint.hf_io import HFCheckpoint
 from parallel.spawn import run_on_ranks
 from tests import rank_fns
 

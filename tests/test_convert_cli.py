@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_specs.presets import save_tiny_hf_model
-from parallel.hf_io import CheckpointError, atomic_directory, write_hf_checkpoint
+from parallel.checkpoint.hf_io import CheckpointError, atomic_directory, write_hf_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

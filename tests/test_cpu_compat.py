@@ -1,4 +1,4 @@
-"""One test per CPU compatibility patch (parallel/cpu_compat.py), each in a fresh process.
+"""One test per CPU compatibility patch (parallel/cpu/compat.py), each in a fresh process.
 
 Where a patch fixes numbers rather than a crash, the test includes the negative control: the
 result is wrong without it.

@@ -1,4 +1,4 @@
-"""fp32 CPU linears through oneDNN (parallel/cpu_linear.py) against float64 ``F.linear`` and its
+"""fp32 CPU linears through oneDNN (parallel/cpu/linear.py) against float64 ``F.linear`` and its
 autograd, the oracle: the plain function, the autograd function (input, weight and bias
 gradients, frozen weights) and megatron's column/row-parallel layers at TP=1 and TP=2, where the
 column layer's input gradient must be all-reduced. (Whole models through it still match HF
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel import cpu_linear
+from parallel.cpu import linear as cpu_linear
 from parallel.spawn import run_on_ranks
 from tests import rank_fns
 
@@ -86,7 +86,7 @@ def test_megatron_parallel_linears_take_it_and_equal_the_dense_oracle(tp, frozen
 
 
 def test_sglang_unquantized_linears_take_it(monkeypatch):
-    from parallel.cpu_stubs import install
+    from parallel.cpu.sglang_stubs import install
 
     install()  # SGLang imports CUDA-only modules (triton, ...): the CPU stubs stand in
     from sglang.srt.layers.quantization import unquant

@@ -43,7 +43,7 @@ def test_a_uniform_number_at_the_total_takes_the_last_possible_token(monkeypatch
 
 
 def test_patch_replaces_sglangs_plain_sampler_only(monkeypatch):
-    from parallel.cpu_stubs import install
+    from parallel.cpu.sglang_stubs import install
 
     install()  # SGLang imports CUDA-only modules (triton, ...): the CPU stubs stand in
     import importlib

@@ -33,8 +33,9 @@ PPO_70B = str(ROOT / "configs/llama3_70b_ppo_32x8.yaml")
 
 
 def test_total_params_equal_hf_numel():
-    from model_specs.presets import make_hf_config
     from transformers import AutoModelForCausalLM
+
+    from model_specs.presets import make_hf_config
 
     for preset in ("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3"):
         model = AutoModelForCausalLM.from_config(make_hf_config(preset))
@@ -59,7 +60,8 @@ def test_megatron_stage_params_by_hand():
 def _rank_numel(hf, layout):
     import torch.distributed as dist
 
-    from parallel.layout import build_model_chunks, initialize_megatron
+    from parallel.layout import initialize_megatron
+    from parallel.models import build_model_chunks
 
     initialize_megatron(layout)
     chunks = build_model_chunks(hf, layout)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model_specs.presets import save_tiny_hf_model
-from parallel.hf_io import HFCheckpoint
+from parallel.checkpoint.hf_io import HFCheckpoint
 from parallel.spawn import run_on_ranks
 from tests import mbridge_oracle
 

@@ -22,7 +22,7 @@ LAYOUTS = {
     "tp2_sp": (MegatronLayout(tp=2, sequence_parallel=True), 2),
     "dp2": (MegatronLayout(), 2),
     "dp2_distopt": (MegatronLayout(use_distributed_optimizer=True), 2),
-    # Context parallel: the project's all-gather CP attention (parallel/context_parallel.py).
+    # Context parallel: the project's all-gather CP attention (parallel/modules/context_parallel.py).
     "cp2": (MegatronLayout(cp=2), 2),
     "cp2_tp2": (MegatronLayout(cp=2, tp=2, sequence_parallel=True), 4),
     "cp2_pp2": (MegatronLayout(cp=2, pp=2), 4),

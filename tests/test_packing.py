@@ -12,8 +12,8 @@ has the gradient of the sum of the same losses on the separate sequences.
 import pytest
 import torch
 
-from parallel.context_parallel import packed_boundaries, packed_token_positions
-from parallel.packing import pack_sequences, unpack
+from parallel.modules.context_parallel import packed_boundaries, packed_token_positions
+from parallel.modules.packing import pack_sequences, unpack
 from parallel.spawn import run_on_ranks
 from tests.rank_fns import packed_logprobs, packed_oracle_tp1
 

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from model_specs.presets import hf_config_dict
-from parallel.convert import fill_local_tensor
+from parallel.checkpoint.convert import fill_local_tensor
 from parallel.layout import MegatronLayout
-from parallel.plan import (execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang,
-                           separate_pool_rounds)
-from parallel.shards import hf_tensor_shapes, megatron_shards, sglang_shards
+from parallel.reshard.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang, separate_pool_rounds
+from parallel.reshard.shards import hf_tensor_shapes, megatron_shards, sglang_shards
 
 LAYOUTS = {"tp1": (MegatronLayout(), 1), "tp2": (MegatronLayout(tp=2), 2), "tp2_pp2": (MegatronLayout(tp=2, pp=2), 4),
            "pp2_vpp2": (MegatronLayout(pp=2, vpp=2), 2), "tp2_dp2": (MegatronLayout(tp=2), 4)}
@@ -43,7 +42,7 @@ def materialise(local_tensors, hf_tensors):
 def cases():
     for model, overrides in MODELS.items():
         hf = hf_config_dict(model, **overrides)
-        for name, (layout, world) in LAYOUTS.items():
+        for name, (layout, _world) in LAYOUTS.items():
             if hf["num_key_value_heads"] % layout.tp:
                 continue
             for rollout_tp in (1, 2, 4):
@@ -157,7 +156,7 @@ def test_sglang_tp_that_does_not_fit_the_heads_is_refused():
                                                                ({"pp": 2, "vpp": 2}, 2, 2)])
 def test_plan_runs_over_gloo_from_real_megatron_shards(tmp_path, layout_kwargs, world, rollout_tp):
     from model_specs.presets import save_tiny_hf_model
-    from parallel.hf_io import HFCheckpoint
+    from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.spawn import run_on_ranks
     from tests import rank_fns
 
@@ -166,7 +165,7 @@ def test_plan_runs_over_gloo_from_real_megatron_shards(tmp_path, layout_kwargs, 
                            4096, timeout_s=240)
     ckpt = HFCheckpoint(hf_dir)
     expected = sglang_shards(ckpt.config, rollout_tp)
-    for device, (buffers, stats, network_bytes) in enumerate(results):
+    for device, (buffers, _stats, _network_bytes) in enumerate(results):
         reference = materialise(expected[device % rollout_tp], {n: ckpt.read(n) for n in ckpt.names})
         assert buffers.keys() == reference.keys()
         for name, tensor in buffers.items():

@@ -19,10 +19,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.rollout import (EngineDiedError, EngineTimeoutError, SGLangEngine, SharedMemoryStaging,
-                            serialize_rank_tensors, staged_tensors, weight_checksum)
+from megarl.rollout import (
+    EngineDiedError,
+    EngineTimeoutError,
+    SGLangEngine,
+    SharedMemoryStaging,
+    serialize_rank_tensors,
+    staged_tensors,
+    weight_checksum,
+)
 from model_specs.presets import PRESETS, save_tiny_hf_model
-from parallel.cpu_stubs import child_env
+from parallel.cpu.sglang_stubs import child_env
 from tests import sglang_probe
 from tests.processes import live, live_descendants
 from tests.sglang_oracle import sglang_all_rank_parameters, sglang_oracle_batch
@@ -87,7 +94,7 @@ def test_sgl_kernel_stub_raises_when_called():
         from sgl_kernel.scalar_type import scalar_types
         from torchvision.transforms import InterpolationMode
         import torchvision.transforms.v2.functional
-        from parallel.cpu_stubs import StubCalledError, is_stub
+        from parallel.cpu.sglang_stubs import StubCalledError, is_stub
         assert is_stub(sys.modules["sgl_kernel"]) and is_stub(sys.modules["torchvision"])
         assert InterpolationMode.NEAREST_EXACT == InterpolationMode.NEAREST_EXACT
         scalar_types.uint4b8  # attribute chains resolve at import time
@@ -125,7 +132,7 @@ def test_triton_stub_lets_sglang_import():
         import sys
         import sglang.srt.entrypoints.engine, sglang.srt.models.llama, sglang.srt.models.qwen2
         import sglang.srt.layers.attention.torch_native_backend
-        from parallel.cpu_stubs import is_stub
+        from parallel.cpu.sglang_stubs import is_stub
         import triton
         assert is_stub(triton), triton
         try:

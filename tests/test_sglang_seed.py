@@ -18,7 +18,7 @@ import torch
 from megarl.rollout import SGLangEngine
 from megarl.rollout.engine_worker import engine_shares, prefill_shared_prompts
 from model_specs.presets import PRESETS, save_tiny_hf_model
-from parallel.cpu_stubs import SITE_DIR
+from parallel.cpu.sglang_stubs import SITE_DIR
 
 SEED = 1234
 N_PROMPTS, NEW_TOKENS = 16, 8

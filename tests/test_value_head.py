@@ -55,7 +55,7 @@ def _full_grads(chunks, vocab_size):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from parallel.layout import global_param_name, unwrap_model
+    from parallel.models import global_param_name, unwrap_model
 
     group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -84,8 +84,8 @@ def _value_grads(chunks, layout, vocab_size):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.training import wrap_ddp
-    from parallel.context_parallel import split_for_context_parallel
-    from parallel.value_head import values_from_output
+    from parallel.modules.context_parallel import split_for_context_parallel
+    from parallel.modules.value_head import values_from_output
 
     chunks = wrap_ddp(chunks, layout)
     config = chunks[0].config
@@ -127,12 +127,12 @@ def critic_on_rank(hf_dirs, layouts, ckpt_root):
     from megatron.core import parallel_state
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from parallel.convert import load_hf_into_chunks
-    from parallel.dist_ckpt import load_megatron_checkpoint, save_megatron_checkpoint
-    from parallel.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
-    from parallel.value_head import (build_value_model_chunks, init_value_head, load_hf_into_value_chunks,
-                                     megatron_values, value_heads)
+    from parallel.checkpoint.convert import load_hf_into_chunks, load_hf_into_value_chunks
+    from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, save_megatron_checkpoint
+    from parallel.checkpoint.hf_io import HFCheckpoint
+    from parallel.forward import megatron_values
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks, build_value_model_chunks, init_value_head, value_heads
 
     per_layout = {}
     for layout_name in layouts:

@@ -10,9 +10,9 @@ no gradient, and at TP=2 each rank's outputs and gradient slice must equal the o
 import pytest
 import torch
 
-from parallel import vocab_parallel
+from parallel.modules import vocab_parallel
+from parallel.modules.vocab_parallel import vocab_parallel_log_probs
 from parallel.spawn import run_on_ranks
-from parallel.vocab_parallel import vocab_parallel_log_probs
 from tests.rank_fns import vocab_parallel_slice_outputs
 
 

@@ -78,9 +78,10 @@ def in_memory_rank(hf_dir: str, out_base: str, layout_kwargs: dict, repeats: int
     import torch
     import torch.distributed as dist
 
-    from parallel.convert import export_hf_checkpoint, load_hf_into_chunks
-    from parallel.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, build_model_chunks, initialize_megatron
+    from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
+    from parallel.checkpoint.hf_io import HFCheckpoint
+    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.models import build_model_chunks
     from tests.mbridge_oracle import local_spec_bridge
 
     warnings.filterwarnings("ignore", message="No index file found")
@@ -125,7 +126,7 @@ def in_memory_rank(hf_dir: str, out_base: str, layout_kwargs: dict, repeats: int
             timed(key, work)
         if repeat == 0:
             for a, b in zip(ours, theirs):
-                for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+                for (_, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
                     identical &= torch.equal(x, y)
         for key, work in exports:
             timed(key, work)
@@ -161,7 +162,7 @@ def bench_copy(hf_dir: Path, work: Path, repeats: int) -> float:
 
 def bench_cli(direction: str, source: Path, target: Path, tp: int, verify: bool, repeats: int) -> dict:
     """``megarl convert`` as the CLI runs it; the last repeat's output is kept at ``target``."""
-    from parallel.convert import conversion_on_rank
+    from parallel.checkpoint.convert import conversion_on_rank
     from parallel.layout import MegatronLayout
     from parallel.spawn import run_on_ranks
 
@@ -218,8 +219,9 @@ def main(argv=None) -> int:
         log(f"building {args.preset} as an HF checkpoint in {hf_dir}")
         save_tiny_hf_model(args.preset, hf_dir, seed=0)
         ckpt_bytes = sum(f.stat().st_size for f in files_of(hf_dir) if f.suffix == ".safetensors")
-        from parallel.shards import hf_tensor_shapes
         import math
+
+        from parallel.reshard.shards import hf_tensor_shapes
 
         params = sum(math.prod(s) for s in hf_tensor_shapes(hf_config_dict(args.preset)).values())
         log(f"{params / 1e6:.1f}M parameters, {ckpt_bytes / 1e6:.1f} MB of safetensors")
@@ -274,7 +276,8 @@ def main(argv=None) -> int:
     if mem_rows:
         print()
         print("megarl vs mbridge, same ranks/threads/layout, chunks already built (imports and model build excluded)")
-        header = f"{'phase':<8}{'tp':>3}{'megarl s':>10}{'GB/s':>7}{'x copy':>8}{'mbridge s':>11}{'mbridge/megarl':>16}{'identical':>11}"
+        header = (f"{'phase':<8}{'tp':>3}{'megarl s':>10}{'GB/s':>7}{'x copy':>8}{'mbridge s':>11}"
+                  f"{'mbridge/megarl':>16}{'identical':>11}")
         print(header)
         print("-" * len(header))
         for tp, result in mem_rows:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """fp32 CPU GEMM throughput: ATen's default (MKL SGEMM, what ``F.linear`` uses) against oneDNN
-(:func:`parallel.cpu_linear.linear`, what megarl's CPU workers and engines use unless
+(:func:`parallel.cpu.linear.linear`, what megarl's CPU workers and engines use unless
 ``MEGARL_CPU_LINEAR=aten``), on a Qwen2-shaped model's linear layers: forward, input gradient and
 weight gradient at a decode-sized and a training-sized token count. Prints GFLOP/s per shape and
 the time-weighted total, so a machine where MKL is the faster one is easy to spot.
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from parallel import cpu_linear  # noqa: E402
+from parallel.cpu import linear as cpu_linear  # noqa: E402
 
 
 def seconds_per_call(fn, min_s: float) -> float:

@@ -22,7 +22,7 @@ same as a table in ``.txt``:
   prompt + response tokens / ``time/update_s``), training TFLOP/s (``perf/train_tflops_per_s``:
   3 x 2 x parameters per token) and MFU = that / (ranks x ``--peak-tflops-per-rank``), weight
   sync seconds (``time/sync_s``) and bytes (``sync/bytes``, also the resharding plan's network /
-  local split from ``parallel.plan.plan_megatron_to_sglang``), every ``time/*`` phase, and the
+  local split from ``parallel.reshard.plan.plan_megatron_to_sglang``), every ``time/*`` phase, and the
   whole step's tokens/s.
   The peak per rank defaults to 989 TFLOP/s on a GPU (H100 SXM bf16 dense); on CPU it is measured
   here (an fp32 matmul on the batch host with the threads a rank gets), so CPU MFU is relative.
@@ -114,7 +114,7 @@ def run_collectives(nodes: int, args: argparse.Namespace, out: Path) -> dict:
     env = dict(os.environ, MASTER_ADDR=master, MASTER_PORT=str(args.port or 20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
     if os.environ.get("MEGARL_NET_IFACE"):
         env.update(GLOO_SOCKET_IFNAME=os.environ["MEGARL_NET_IFACE"], NCCL_SOCKET_IFNAME=os.environ["MEGARL_NET_IFACE"])
-    inner = (f"export WORLD_SIZE=$SLURM_NTASKS RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID; exec "
+    inner = ("export WORLD_SIZE=$SLURM_NTASKS RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID; exec "
              + shlex.join([sys.executable, str(Path(__file__).resolve()), "--collective-worker", "--size-mb",
                            str(args.size_mb), "--iters", str(args.iters), "--collective-out", str(out)]))
     cmd = ["srun", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1", f"--ntasks={nodes}",

@@ -93,7 +93,8 @@ def prepare_side(args: argparse.Namespace) -> None:
     import transformers
 
     from megarl.data.prepare import write_synthetic_arith
-    from model_specs.presets import PRESETS as ALL_PRESETS, save_tiny_hf_model
+    from model_specs.presets import PRESETS as ALL_PRESETS
+    from model_specs.presets import save_tiny_hf_model
     from model_specs.tokenizer import save_char_tokenizer
 
     unknown = [p for p in args.presets if p not in ALL_PRESETS]

@@ -1,6 +1,6 @@
 """HF <-> Megatron checkpoint conversion: `python tools/convert_checkpoint.py hf-to-megatron --input HF --output CKPT --tp 2`.
 
-Argument handling only; the work is `megarl convert` (megarl/cli.py -> parallel/convert.py).
+Argument handling only; the work is `megarl convert` (megarl/cli.py -> parallel/checkpoint/convert.py).
 """
 
 import sys

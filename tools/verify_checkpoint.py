@@ -1,6 +1,6 @@
 """Compare two checkpoints: `python tools/verify_checkpoint.py A B [--tp 2]` (HF or Megatron, any layout).
 
-Argument handling only; the work is `megarl verify` (megarl/cli.py -> parallel/verify.py).
+Argument handling only; the work is `megarl verify` (megarl/cli.py -> parallel/checkpoint/verify.py).
 """
 
 import sys

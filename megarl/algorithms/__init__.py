@@ -7,22 +7,6 @@ built-in estimators and losses; see ``registry`` for the calling conventions and
 register your own.
 """
 
-from megarl.algorithms.aggregation import (
-    LOSS_AGG_MODES,
-    agg_loss,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-)
-from megarl.algorithms.registry import (
-    get_advantage,
-    get_policy_loss,
-    list_advantages,
-    list_policy_losses,
-    register_advantage,
-    register_policy_loss,
-)
 from megarl.algorithms.advantages import (
     GroupStats,
     compute_drgrpo_outcome_advantage,
@@ -39,14 +23,15 @@ from megarl.algorithms.advantages import (
     scores_to_token_rewards,
     sequence_scores,
 )
-from megarl.algorithms.policy_loss import (
-    entropy_from_logits,
-    gspo_policy_loss,
-    masked_entropy,
-    ppo_policy_loss,
-    value_loss,
-    vanilla_policy_loss,
+from megarl.algorithms.aggregation import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
 )
+from megarl.algorithms.filters import dynamic_sampling_mask, overlong_reward_penalty, response_lengths
 from megarl.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -55,7 +40,22 @@ from megarl.algorithms.kl import (
     kl_estimate,
     kl_loss,
 )
-from megarl.algorithms.filters import dynamic_sampling_mask, overlong_reward_penalty, response_lengths
+from megarl.algorithms.policy_loss import (
+    entropy_from_logits,
+    gspo_policy_loss,
+    masked_entropy,
+    ppo_policy_loss,
+    value_loss,
+    vanilla_policy_loss,
+)
+from megarl.algorithms.registry import (
+    get_advantage,
+    get_policy_loss,
+    list_advantages,
+    list_policy_losses,
+    register_advantage,
+    register_policy_loss,
+)
 
 __all__ = [
     "LOSS_AGG_MODES", "agg_loss", "masked_mean", "masked_sum", "masked_var", "masked_whiten",

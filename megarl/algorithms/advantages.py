@@ -41,7 +41,6 @@ import torch
 from megarl.algorithms.aggregation import masked_mean, masked_sum, masked_whiten
 from megarl.algorithms.registry import register_advantage
 
-
 # ----------------------------------------------------------------------------- helpers
 
 

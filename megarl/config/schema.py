@@ -108,7 +108,7 @@ class ActorConfig:
     sequence_packing: bool = False
     # Compute each prompt once for all its rollout.n samples, for every Megatron model of the run:
     # one row per prompt holding the prompt and each sample's response as a branch that attends
-    # to the prompt and itself (exact: parallel/shared_prefix.py). Fewer tokens through the model
+    # to the prompt and itself (exact: parallel/modules/shared_prefix.py). Fewer tokens through the model
     # (the prompt x (n-1) per prompt) and fewer attention scores than a row per sample. null (the
     # default) = on whenever rollout.n > 1 and nothing rules it out: sequence_packing and context
     # parallelism (any role's) are other row layouts; true there is an error.

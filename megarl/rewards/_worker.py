@@ -15,7 +15,6 @@ import numbers
 import os
 import signal
 
-
 # What a worker process runs: ``python -c WORKER_CODE <fd of its end of the socket pair>``.
 WORKER_CODE = (
     "import sys; from multiprocessing.connection import Connection; "

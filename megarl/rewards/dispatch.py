@@ -42,9 +42,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from megarl.rewards import _worker
+from megarl.rewards import _worker, registry
 from megarl.rewards import builtin as _builtin  # noqa: F401  (registers the built-ins)
-from megarl.rewards import registry
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +203,7 @@ class _ProcessPool:
 
     def close(self) -> None:
         workers, self._idle = self._idle, []
-        for proc, conn in workers:
+        for _proc, conn in workers:
             try:
                 conn.send(None)
             except Exception:

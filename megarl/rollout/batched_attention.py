@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from parallel.memo import reuse_while_unchanged
+from parallel.modules.memo import reuse_while_unchanged
 
 BACKEND_MODULE = "sglang.srt.layers.attention.torch_native_backend"
 SCORE_BUDGET = 1 << 25  # padded attention scores per SDPA call (128 MiB in fp32)

@@ -9,7 +9,7 @@ no engine process outlives the handle.
 The handle is shaped like ``sglang.Engine`` (token ids in, token ids out) so it can grow: every
 request is a ``(method, args, kwargs)`` message over a pipe, see :meth:`SGLangEngine.call`.
 Without CUDA it selects SGLang's CPU path (torch-native attention, pytorch sampling) and installs
-the import stubs of :mod:`parallel.cpu_stubs` in the engine's processes.
+the import stubs of :mod:`parallel.cpu.sglang_stubs` in the engine's processes.
 
 Weight sync: :meth:`SGLangEngine.update_weights_direct` copies already-sharded tensors into each TP
 rank's own parameters (one payload per rank, SGLang's ``load_format="direct"``) inside a
@@ -23,7 +23,7 @@ scheduler's global RNGs (torch, plus python ``random``/numpy), seeded only once 
 per-request ``sampling_seed`` needs ``enable_deterministic_inference``, which the CPU path
 cannot use. The handle therefore adds a ``megarl_reseed`` method to SGLang's ``Scheduler`` class
 in the scheduler processes (:func:`install_scheduler_patch`, run at interpreter start by the
-``sitecustomize`` in :data:`parallel.cpu_stubs.SITE_DIR` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``;
+``sitecustomize`` in :data:`parallel.cpu.sglang_stubs.SITE_DIR` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``;
 SGLang spawns its schedulers, so a patch made in this process would not reach them) and calls it
 on every rank with SGLang's ``Engine.collective_rpc``.
 """
@@ -256,14 +256,14 @@ def _payload_items(tensors: dict[str, Any]) -> list:
 
 
 def weight_checksum(tensor) -> str:
-    """The parity probe's checksum of one tensor: :func:`parallel.hf_io.tensor_checksum` with
+    """The parity probe's checksum of one tensor: :func:`parallel.checkpoint.hf_io.tensor_checksum` with
     xxh3-128. The trainer hashes what it sends with it, and SGLang's weight checker hashes what
     each engine rank holds with it (:func:`install_scheduler_patch` puts it in place of the
     checker's own hash, a sha256 on CPU: 88 MB took 84 ms there against 12 ms here, on each side
     of every sync)."""
     import xxhash
 
-    from parallel.hf_io import tensor_checksum
+    from parallel.checkpoint.hf_io import tensor_checksum
 
     return tensor_checksum(tensor, xxhash.xxh3_128)
 
@@ -292,11 +292,11 @@ class SGLangEngine:
         # cores per idle CPU engine, 0.007 with it), stealing the CPU that colocated training uses.
         kwargs: dict[str, Any] = dict(model_path=str(model_path), tp_size=tp_size, dtype=dtype,
                                       skip_tokenizer_init=True, sleep_on_idle=True)
-        from parallel.cpu_stubs import SITE_DIR
+        from parallel.cpu.sglang_stubs import SITE_DIR
 
         child_env = dict(os.environ)
         if device == "cpu":
-            from parallel.cpu_stubs import child_env as stub_env
+            from parallel.cpu.sglang_stubs import child_env as stub_env
 
             kwargs.update(CPU_ENGINE_DEFAULTS)
             child_env = stub_env(child_env)
@@ -646,12 +646,13 @@ class _PostImportPatch(importlib.abc.MetaPathFinder):
 
 def install_scheduler_patch() -> None:
     """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class,
-    hash with :func:`weight_checksum` in SGLang's weight checker, batch the torch-native backend's attention (:mod:`megarl.rollout.batched_attention`), sample
+    hash with :func:`weight_checksum` in SGLang's weight checker, batch the torch-native backend's
+    attention (:mod:`megarl.rollout.batched_attention`), sample
     by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and run fp32 CPU linears through
-    oneDNN (:mod:`parallel.cpu_linear`) in this process: now for a module
+    oneDNN (:mod:`parallel.cpu.linear`) in this process: now for a module
     imported already, otherwise right after its import. Run at interpreter start (before SGLang
     is imported) in every process of an engine by the ``sitecustomize`` in
-    ``parallel/cpu_stubs/site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
+    ``parallel/cpu/sglang_stubs/site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
     Also keeps megatron out of the process: SGLang's debug dumper imports ``megatron.core`` when it
     is installed (for a plugin used inside Megatron training processes, never in an engine) and
     reads its absence as "not installed": ~2 s of CPU less per engine start.
@@ -659,7 +660,7 @@ def install_scheduler_patch() -> None:
     sys.modules.setdefault("megatron", None)  # "import megatron..." raises ModuleNotFoundError
     from megarl.rollout.batched_attention import BACKEND_MODULE, patch_backend_module
     from megarl.rollout.inverse_cdf_sampling import SAMPLER_MODULE, patch_sampler_module
-    from parallel.cpu_linear import SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module
+    from parallel.cpu.linear import SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module
 
     for name, patch in ((_SCHEDULER_MODULE, _patch_scheduler_module),
                         (_WEIGHT_CHECKER_MODULE, _patch_weight_checker_module), (BACKEND_MODULE, patch_backend_module),
@@ -733,7 +734,7 @@ def _do_reseed(engine, seed: int, busy_retry_s: float = 10.0):
         hint = ""
         if RESEED_RPC in message and "attribute" in message:
             hint = (f"\n(the schedulers lack {RESEED_RPC}: they must start with "
-                    f"{SCHEDULER_PATCH_ENV_VAR}=1 and parallel/cpu_stubs/site on PYTHONPATH, as "
+                    f"{SCHEDULER_PATCH_ENV_VAR}=1 and parallel/cpu/sglang_stubs/site on PYTHONPATH, as "
                     f"SGLangEngine arranges; see install_scheduler_patch)")
         raise RuntimeError(f"SGLang schedulers refused {RESEED_RPC}(seed={seed}): {message}{hint}")
 
@@ -815,7 +816,7 @@ def _child_main() -> None:
         if kwargs.get("device") == "cpu":
             _fork_engine_children(conn)
         engine = sglang.Engine(**kwargs)
-        from parallel.cpu_stubs import STUBBED, is_stub
+        from parallel.cpu.sglang_stubs import STUBBED, is_stub
 
         stubs = [m for m in STUBBED if is_stub(sys.modules.get(m))]
         conn.send(("ok", {"pid": os.getpid(), "engine_kwargs": kwargs, "cpu_stubs": stubs}))

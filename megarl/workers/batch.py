@@ -128,10 +128,10 @@ def packed_row_length(batch: dict, rows: list[int], slot_multiple: int) -> int:
 
 
 def make_packed_micro_batch(batch: dict, rows: list[int], length: int, slot_multiple: int) -> dict:
-    """Rows ``rows`` of ``batch`` packed into ONE row of ``length`` tokens (``parallel.packing``:
+    """Rows ``rows`` of ``batch`` packed into ONE row of ``length`` tokens (``parallel.modules.packing``:
     slots rounded up to ``slot_multiple``, a padding sequence filling the rest), with the same
     fields as ``make_micro_batch``: ``gather_index`` holds row positions, ``packed`` the row."""
-    from parallel.packing import pack_sequences
+    from parallel.modules.packing import pack_sequences
 
     sequences = [batch["input_ids"][r, : int(input_lengths(batch)[r])] for r in rows]
     filler = length - packed_row_length(batch, rows, slot_multiple)
@@ -174,12 +174,12 @@ def shared_prompt_row_length(batch: dict, group: list[int]) -> int:
 
 def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length: int, num_groups: int) -> dict:
     """The rows of ``groups`` (``prompt_groups`` of a micro-batch's rows) as ``num_groups``
-    shared-prefix rows of ``length`` tokens (``parallel.shared_prefix``): one per group, each
+    shared-prefix rows of ``length`` tokens (``parallel.modules.shared_prefix``): one per group, each
     sample a branch made of the prompt's last token and its response, at the positions it has in
     its own sequence. Same fields as ``make_micro_batch`` (samples in group order) plus
     ``position_ids`` and ``segments`` (PREFIX, branch ids, PADDING: what the attention needs);
     ``gather_index`` holds positions in the flattened ``[num_groups * length]`` outputs."""
-    from parallel.shared_prefix import PADDING, PREFIX
+    from parallel.modules.shared_prefix import PADDING, PREFIX
 
     rows = [row for group in groups for row in group]
     if len(groups) > num_groups:

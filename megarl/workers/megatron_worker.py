@@ -7,7 +7,7 @@ process groups, hence one layout: a reference or critic with the actor's pool li
 actor (the hybrid placement, no extra processes); one on a pool of its own is a group of its own.
 
 Log-probs, entropies and values are computed on the last pipeline stage from vocab-parallel
-logits (``parallel.vocab_parallel``), gathered over context parallelism, and returned by one
+logits (``parallel.modules.vocab_parallel``), gathered over context parallelism, and returned by one
 rank per data-parallel replica (last stage, TP rank 0, CP rank 0); the others return None.
 Losses are scaled so that the gradient equals that of the loss aggregated over the WHOLE
 mini-batch (``loss_agg_mode``), whatever the data-parallel size and micro-batch split: the
@@ -24,11 +24,20 @@ from typing import Any, Callable
 
 import torch
 
-from megarl.workers.batch import (MicroBatching, data_parallel_rows, input_lengths, make_micro_batch,
-                                  make_packed_micro_batch, make_shared_prompt_micro_batch, packed_row_length,
-                                  padded_length, prompt_groups, response_mask, shared_prompt_row_length,
-                                  without_last_tokens)
 from megarl.config.schema import MEGATRON_ROLES, VALUE_ROLES
+from megarl.workers.batch import (
+    MicroBatching,
+    data_parallel_rows,
+    input_lengths,
+    make_micro_batch,
+    make_packed_micro_batch,
+    make_shared_prompt_micro_batch,
+    packed_row_length,
+    padded_length,
+    prompt_groups,
+    shared_prompt_row_length,
+    without_last_tokens,
+)
 
 
 @dataclasses.dataclass
@@ -106,7 +115,7 @@ class _Model:
 
     @property
     def modules(self) -> list:
-        from parallel.layout import unwrap_model
+        from parallel.models import unwrap_model
 
         return [unwrap_model(chunk) for chunk in self.chunks]
 
@@ -121,7 +130,7 @@ class MegatronWorker:
         ``group`` names this set of ranks (its resource pool) in checkpoints."""
         import torch.distributed as dist
 
-        from parallel import cpu_compat
+        from parallel.cpu import compat as cpu_compat
 
         if threads:
             torch.set_num_threads(threads)
@@ -146,11 +155,12 @@ class MegatronWorker:
         """Build ``spec.role``'s model from ``spec.hf_dir`` (and its optimizer when trained)."""
         from megatron.core import parallel_state
 
-        from megarl.training import OptimConfig, build_optimizer, wrap_ddp
+        from megarl.training import build_optimizer, wrap_ddp
         from model_specs.base import dtype_from_name
-        from parallel.convert import load_hf_into_chunks
-        from parallel.hf_io import HFCheckpoint
-        from parallel.layout import build_model_chunks, initialize_megatron
+        from parallel.checkpoint.convert import load_hf_into_chunks
+        from parallel.checkpoint.hf_io import HFCheckpoint
+        from parallel.layout import initialize_megatron
+        from parallel.models import build_model_chunks
 
         if spec.role not in MEGATRON_ROLES:
             raise ValueError(f"unknown role {spec.role!r}; roles: {list(MEGATRON_ROLES)}")
@@ -163,7 +173,8 @@ class MegatronWorker:
         ckpt = HFCheckpoint(spec.hf_dir)
         dtype = dtype_from_name(spec.dtype)
         if spec.role in VALUE_ROLES:
-            from parallel.value_head import build_value_model_chunks, load_hf_into_value_chunks
+            from parallel.checkpoint.convert import load_hf_into_value_chunks
+            from parallel.models import build_value_model_chunks
 
             chunks = build_value_model_chunks(ckpt.config, spec.layout, params_dtype=dtype,
                                               packed_sequences=spec.batching.packed,
@@ -251,7 +262,7 @@ class MegatronWorker:
         returns (loss, stats dict) on the last stage. Returns the stats of every micro-batch."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from parallel.context_parallel import split_for_context_parallel
+        from parallel.modules.context_parallel import split_for_context_parallel
 
         def forward_step(data_iterator, module):
             mb = next(data_iterator)
@@ -264,10 +275,11 @@ class MegatronWorker:
                                 packed_seq_params=packed.packed_seq_params())
                 return output, lambda out: loss_of(mb, local, out)
             if "segments" in mb:  # shared-prompt rows: per-token RoPE positions, attention per branch
-                from parallel.shared_prefix import rotary_positions
+                from parallel.models import unwrap_model
+                from parallel.modules.shared_prefix import rotary_positions
 
                 local = {"targets": mb["targets"], "position_ids": mb["position_ids"]}
-                with rotary_positions(module, mb["position_ids"]):
+                with rotary_positions(unwrap_model(module), mb["position_ids"]):
                     output = module(mb["tokens"], mb["position_ids"], attention_mask=mb["segments"])
                 return output, lambda out: loss_of(mb, local, out)
             positions = torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"])
@@ -293,8 +305,8 @@ class MegatronWorker:
         """Response-shaped ``[rows, R]`` log-probs/entropy (LM) or values of a micro-batch: the
         critic's before each response token (at the position predicting it), the reward model's
         after it (at the token itself: the last one's is the sequence's score)."""
-        from parallel.convert import undo_context_parallel_split
-        from parallel.vocab_parallel import vocab_parallel_log_probs
+        from parallel.modules.context_parallel import undo_context_parallel_split
+        from parallel.modules.vocab_parallel import vocab_parallel_log_probs
 
         if model.spec.role in VALUE_ROLES:
             per_token = {"values": undo_context_parallel_split(output.squeeze(-1), local["position_ids"])}
@@ -417,7 +429,7 @@ class MegatronWorker:
 
         from megarl.rollout.sglang_engine import SharedMemoryStaging
         from megarl.rollout.weight_sync import shards_for_transport
-        from parallel.plan import execute_plan
+        from parallel.reshard.plan import execute_plan
 
         device = dist.get_rank()
         modules = self.models["actor"].modules
@@ -449,7 +461,7 @@ class MegatronWorker:
         import numpy as np
         from megatron.core import tensor_parallel
 
-        from parallel.dist_ckpt import save_megatron_checkpoint
+        from parallel.checkpoint.dist_ckpt import save_megatron_checkpoint
 
         for role, model in self.models.items():
             if model.optimizer is not None:
@@ -477,7 +489,7 @@ class MegatronWorker:
         import numpy as np
         from megatron.core import tensor_parallel
 
-        from parallel.dist_ckpt import load_megatron_checkpoint
+        from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint
 
         state = torch.load(self._rank_state_file(directory), weights_only=False)
         mine = dataclasses.asdict(self.layout)
@@ -503,7 +515,7 @@ class MegatronWorker:
 
     def export_hf(self, target: str) -> None:
         """Collective: the actor's weights as an HF checkpoint at ``target`` (atomic)."""
-        from parallel.convert import export_hf_checkpoint
+        from parallel.checkpoint.convert import export_hf_checkpoint
 
         model = self.models["actor"]
         export_hf_checkpoint(model.chunks, model.hf_config, model.spec.layout, target)

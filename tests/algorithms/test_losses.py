@@ -47,10 +47,10 @@ def ppo_inputs(cases, pad_garbage=True):
 
 
 def ref_ppo_token(r, a, lo, hi, c):
-    l = max(-a * r, -a * min(max(r, 1 - lo), 1 + hi))
+    loss = max(-a * r, -a * min(max(r, 1 - lo), 1 + hi))
     if c is not None and a < 0:
-        l = min(l, -a * c)
-    return l
+        loss = min(loss, -a * c)
+    return loss
 
 
 def test_ppo_loss_gradient_and_metrics_by_hand():

@@ -10,7 +10,6 @@ import yaml
 
 from megarl.config import CONFIGS_DIR
 
-
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = CONFIGS_DIR / "quickstart_grpo.yaml"
 HEAVY = ("megatron", "ray", "sglang", "transformers")

@@ -102,7 +102,8 @@ def test_exponent_without_dot_is_a_float_in_files_too(tmp_path):
     config = from_dict(compose(path))
     assert config.actor.optim.lr == 3e-5 and config.actor.optim.eps == 1e-8
     # A quoted number stays a string, and is refused with the fix.
-    with pytest.raises(ConfigError, match=r"actor\.optim\.lr=\"1e-6\": expected a number, got a string; write the number without quotes"):
+    with pytest.raises(ConfigError, match=r"actor\.optim\.lr=\"1e-6\": expected a number, got a string; "
+                                          r"write the number without quotes"):
         from_dict(compose(None, ["actor.optim.lr='1e-6'"]))
 
 

@@ -156,7 +156,8 @@ def test_vpp_needs_a_multiple_of_pp_micro_batches(problems, data_file):
     line = _one(problems(*base, "actor.micro_batch_size=32"))
     assert line.startswith("actor.layout.vpp=2: megatron's interleaved schedule needs the number of micro-batches")
     assert "but it is 1" in line and "set actor.micro_batch_size to one of [1, 2, 4, 8, 16]" in line
-    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, *base, "actor.micro_batch_size=16"])  # 2 micro-batches
+    # 2 micro-batches
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, *base, "actor.micro_batch_size=16"])
     # The same rule for the forward-only reference, with its own micro-batch size.
     line = _one(problems(*base, "actor.micro_batch_size=16", "ref.micro_batch_size=32"))
     assert line.startswith("actor.layout.vpp=2:") and "ref.micro_batch_size 32" in line

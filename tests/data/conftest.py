@@ -4,6 +4,7 @@ import io
 
 import pytest
 
+
 @pytest.fixture(scope="session")
 def char_tokenizer():
     """A character-level HF fast tokenizer with a simple chat template."""

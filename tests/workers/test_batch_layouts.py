@@ -7,9 +7,16 @@ token fewer per sample. Oracle: each sample's own token sequence."""
 import pytest
 import torch
 
-from megarl.workers.batch import (input_lengths, make_micro_batch, make_packed_micro_batch,
-                                  make_shared_prompt_micro_batch, packed_row_length, prompt_groups,
-                                  shared_prompt_row_length, without_last_tokens)
+from megarl.workers.batch import (
+    input_lengths,
+    make_micro_batch,
+    make_packed_micro_batch,
+    make_shared_prompt_micro_batch,
+    packed_row_length,
+    prompt_groups,
+    shared_prompt_row_length,
+    without_last_tokens,
+)
 from tests.workers.test_megatron_worker import rollout_batch
 
 ROWS = list(range(8))

@@ -1,4 +1,4 @@
-"""Shared-prompt micro-batches (megarl/workers/batch.py, parallel/shared_prefix.py) laid out as
+"""Shared-prompt micro-batches (megarl/workers/batch.py, parallel/modules/shared_prefix.py) laid out as
 documented: one row per distinct prompt, every sample's response tokens predicted from positions
 that hold exactly the sequence it would have alone, and the attention per branch equal to dense
 attention under the tree mask (each token sees exactly its own sequence's earlier tokens), values
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megarl.workers.batch import make_shared_prompt_micro_batch, prompt_groups, response_mask, shared_prompt_row_length
-from parallel.shared_prefix import PADDING, PREFIX, branch_attention
+from parallel.modules.shared_prefix import PADDING, PREFIX, branch_attention
 from tests.workers.test_megatron_worker import rollout_batch
 
 

@@ -1,6 +1,6 @@
 """Resharding plans: which slice of which source rank's tensor goes into which destination buffer.
 
-Both layouts are described as boxes of the canonical HF tensors (``parallel.shards``), so a plan
+Both layouts are described as boxes of the canonical HF tensors (``parallel.reshard.shards``), so a plan
 is box intersection: for every destination piece, the source pieces that hold the same HF
 region. Replicas (TP-replicated norms, data-parallel copies) hold identical boxes; the planner
 takes each region once, from a holder on the destination's own device when there is one (no
@@ -24,8 +24,7 @@ from typing import Mapping
 import torch
 
 from parallel.layout import MegatronLayout
-from parallel.shards import (Box, LocalTensor, box_intersection, box_volume, megatron_shards, MegatronRank,
-                             sglang_shards)
+from parallel.reshard.shards import Box, LocalTensor, MegatronRank, box_intersection, box_volume, megatron_shards, sglang_shards
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,7 @@ class _Raising:
 
     def __call__(self, *args, **kwargs):
         raise StubCalledError(
-            f"{self._stub_name}() was called, but it is a CPU import stub from parallel.cpu_stubs "
+            f"{self._stub_name}() was called, but it is a CPU import stub from parallel.cpu.sglang_stubs "
             f"(the real library is not installed). This code path needs the CUDA build; SGLang on "
             f"CPU must run with attention_backend='torch_native' and sampling_backend='pytorch'.")
 
@@ -120,7 +120,7 @@ class _StubClassMeta(type):
 
     def __call__(cls, *args, **kwargs):
         raise StubCalledError(f"{cls.__module__}.{cls.__name__}(...) was instantiated, but it is "
-                              f"a CPU import stub from parallel.cpu_stubs")
+                              f"a CPU import stub from parallel.cpu.sglang_stubs")
 
 
 class _TreeModule(types.ModuleType):

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from parallel.shards import Box, hf_tensor_shapes
+from parallel.reshard.shards import Box, hf_tensor_shapes
 
 CHECKSUMS_FILE = "megarl_checksums.json"
 
@@ -40,6 +40,16 @@ _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used as asked; the message names the file/tensor and the fix."""
+
+
+def check_chunk_names(chunk_index: int, actual: set[str], expected: set[str]) -> None:
+    """A model chunk's parameter names must be exactly those the family's weight rules produce."""
+    if actual != expected:
+        raise CheckpointError(
+            f"model chunk {chunk_index} parameters do not match the family's weight rules: "
+            f"not produced by the rules {sorted(actual - expected)}, rules without a parameter "
+            f"{sorted(expected - actual)}; the model was built with a different spec or family"
+        )
 
 
 def tensor_checksum(tensor: torch.Tensor, algorithm=hashlib.sha256) -> str:

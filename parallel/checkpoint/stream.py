@@ -4,7 +4,7 @@ Neither direction builds the model's weights. Each rank builds its GPTModel chun
 device (shapes only) and asks megatron for their ``sharded_state_dict``: megatron itself decides
 every checkpoint key, global shape, layer axis, swiglu split, vocab padding and replica. Each
 stored shard is then related to boxes of HF tensors through the family's weight rules
-(``parallel.shards``): ``ShardBoxes``.
+(``parallel.reshard.shards``): ``ShardBoxes``.
 
 - Writing (``save_streamed``): ``megatron.core.dist_checkpointing.save`` runs as usual (validation,
   metadata.json, common.pt, torch DCP planning and ``.metadata``) with a strategy whose writer
@@ -15,7 +15,7 @@ stored shard is then related to boxes of HF tensors through the family's weight 
 
 Peak host memory is therefore the process (imports, meta model) plus about one tensor, not the
 model size. The files are what ``dist_checkpointing.save`` of the built model would write, and
-``dist_checkpointing.load`` / ``parallel.dist_ckpt.load_megatron_checkpoint`` read them.
+``dist_checkpointing.load`` / ``parallel.checkpoint.dist_ckpt.load_megatron_checkpoint`` read them.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from parallel.hf_io import CheckpointError, HFCheckpoint
-from parallel.layout import MegatronLayout, build_model_chunks, unwrap_model
-from parallel.shards import Box, box_intersection, box_volume, megatron_shards
+from parallel.checkpoint.hf_io import CheckpointError, HFCheckpoint, check_chunk_names
+from parallel.layout import MegatronLayout
+from parallel.models import build_model_chunks, unwrap_model
+from parallel.reshard.shards import Box, box_intersection, box_volume, megatron_shards, this_megatron_rank
 
 # (HF tensor or None for zeros, its box, the box of the stored shard it fills)
 Link = tuple[str | None, Box, Box]
@@ -74,26 +75,18 @@ def _box_in_param(view: torch.Tensor, param: torch.Tensor, name: str) -> Box:
     return box
 
 
-def _this_rank():
-    from parallel.convert import this_megatron_rank
-
-    return this_megatron_rank()
-
-
 def sharded_state_dict_with_boxes(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout):
     """Megatron's sharded state dict of the (meta) chunks, factories applied, and the
     ``ShardBoxes`` of every ShardedTensor in it, keyed by (key, global offset)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories, is_main_replica
 
-    from parallel.convert import _check_names
-
-    expected = megatron_shards(hf, layout)[_this_rank()]
+    expected = megatron_shards(hf, layout)[this_megatron_rank()]
     state = {f"chunk{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
     apply_factories(state)
     boxes: dict[tuple[str, tuple[int, ...]], ShardBoxes] = {}
     for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
         params = dict(unwrap_model(chunk).named_parameters())
-        _check_names(index, set(params), set(tensors))
+        check_chunk_names(index, set(params), set(tensors))
         seen = set()
         for name, value in state[f"chunk{index}"].items():
             shards = value if isinstance(value, list) else [value]
@@ -150,10 +143,15 @@ def _streaming_strategy(resolve: Callable[[str, tuple[int, ...]], torch.Tensor])
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
-        save_state_dict_async_finalize, save_state_dict_async_plan)
+        save_state_dict_async_finalize,
+        save_state_dict_async_plan,
+    )
     from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict)
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, SerializationFormat, _write_item
     from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -245,7 +243,7 @@ def read_hf_tensors(directory: str | Path, hf: Mapping[str, Any], layout: Megatr
     ``directory`` (saved at any layout): every tensor on rank 0 and None elsewhere, or with
     ``shared`` every rank its share of the tensors (``names[rank::world]``). ``layout`` is the
     layout of this process group; it only decides how the boxes are computed."""
-    from parallel.shards import hf_tensor_shapes
+    from parallel.reshard.shards import hf_tensor_shapes
 
     _, boxes = sharded_state_dict_with_boxes(meta_chunks(hf, layout), hf, layout)
     mine = [(e.key, e.prepend, e.global_box(), hf_name, src, dst)
@@ -281,7 +279,7 @@ def _read_tensors(directory: Path, hf: Mapping[str, Any], by_name: dict[str, lis
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    from parallel.shards import hf_tensor_shapes
+    from parallel.reshard.shards import hf_tensor_shapes
 
     reader = FileSystemReader(str(directory))
     metadata = reader.read_metadata()

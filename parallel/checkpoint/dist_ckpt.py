@@ -17,8 +17,9 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from parallel.hf_io import CheckpointError
-from parallel.layout import MegatronLayout, unwrap_model
+from parallel.checkpoint.hf_io import CheckpointError
+from parallel.layout import MegatronLayout
+from parallel.models import unwrap_model
 
 METADATA_FILE = "megarl_checkpoint.json"
 FORMAT_VERSION = 1

@@ -6,7 +6,7 @@ use, runs the model's shapes at 70-150 GFLOP/s on 2 threads; oneDNN's matmul (th
 110-190, up to near the cores' peak (``tools/bench_cpu_gemm.py`` prints both on any machine). Both are
 fp32 with fp32 accumulation; results differ only by summation order (~1e-6 relative).
 
-Used by the Megatron workers' linear layers (``parallel.cpu_compat``'s ``onednn_linear`` patch:
+Used by the Megatron workers' linear layers (``parallel.cpu.compat``'s ``onednn_linear`` patch:
 forward and input gradient) and by the CPU SGLang engine's unquantized linears
 (:func:`patch_sglang_unquant_module`). ``MEGARL_CPU_LINEAR=aten`` switches both back to ATen's
 default (MKL), e.g. on a CPU where MKL is the faster one.

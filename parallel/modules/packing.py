@@ -5,7 +5,7 @@ longest wastes compute. A packed row concatenates them, and megatron's ``PackedS
 format) makes attention stay within each sequence and RoPE positions restart per sequence, so each
 sequence gets exactly the logits it gets alone. The model must be built with
 ``build_model_chunks(..., packed_sequences=True)``: megatron's local attention refuses packed
-sequences, the project's (parallel.context_parallel) handles them, at any TP/PP/SP/CP.
+sequences, the project's (parallel.modules.context_parallel) handles them, at any TP/PP/SP/CP.
 
 Layout of a row: sequence i occupies a slot of its length rounded up to ``pad_to_multiple``, its
 real tokens first, then ``pad_id`` padding. ``cu_seqlens`` holds the cumulative real lengths and
@@ -50,7 +50,7 @@ class PackedBatch:
     def local_positions(self, cp_size: int | None = None, cp_rank: int | None = None) -> torch.Tensor:
         """Row positions of the tokens a CP rank holds (default: this rank; all at CP=1). Index
         any per-token [1, T] tensor (labels, masks) with it to get that rank's share."""
-        from parallel.context_parallel import packed_token_positions
+        from parallel.modules.context_parallel import packed_token_positions
 
         if cp_size is None or cp_rank is None:
             from megatron.core import parallel_state

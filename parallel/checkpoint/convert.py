@@ -1,4 +1,4 @@
-"""HF <-> Megatron weights at any TP/PP/VPP layout, driven by ``parallel.shards``.
+"""HF <-> Megatron weights at any TP/PP/VPP layout, driven by ``parallel.reshard.shards``.
 
 ``load_hf_into_chunks`` runs on every rank and fills that rank's model chunks from an HF
 checkpoint, reading only the boxes the rank needs. ``gather_hf_tensors`` is the inverse: a
@@ -8,38 +8,22 @@ replicas (TP-replicated norms, the tied output layer) agree bit for bit. Both se
 are in memory anyway (the trainer, the tests).
 
 The conversion jobs (``hf_to_megatron``, ``megatron_to_hf``) never build the weights: they
-stream between the files shard by shard through ``parallel.ckpt_stream``.
+stream between the files shard by shard through ``parallel.checkpoint.stream``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from parallel.context_parallel import split_for_context_parallel
-from parallel.hf_io import CheckpointError, HFCheckpoint
-from parallel.layout import MegatronLayout, unwrap_model
-from parallel.shards import LocalTensor, MegatronRank, hf_tensor_shapes, megatron_shards
-
-
-def this_megatron_rank() -> MegatronRank:
-    from megatron.core import parallel_state
-
-    return MegatronRank(
-        pp=parallel_state.get_pipeline_model_parallel_rank(), tp=parallel_state.get_tensor_model_parallel_rank()
-    )
-
-
-def _check_names(chunk_index: int, actual: set[str], expected: set[str]) -> None:
-    if actual != expected:
-        raise CheckpointError(
-            f"model chunk {chunk_index} parameters do not match the family's weight rules: "
-            f"not produced by the rules {sorted(actual - expected)}, rules without a parameter "
-            f"{sorted(expected - actual)}; the model was built with a different spec or family"
-        )
+from parallel.checkpoint.hf_io import CheckpointError, HFCheckpoint, check_chunk_names
+from parallel.forward import prompt_logits
+from parallel.layout import MegatronLayout
+from parallel.models import init_value_head, unwrap_model, value_heads
+from parallel.reshard.shards import LocalTensor, MegatronRank, hf_tensor_shapes, megatron_shards, this_megatron_rank
 
 
 def fill_local_tensor(dst: torch.Tensor, local: LocalTensor, ckpt: HFCheckpoint) -> None:
@@ -60,7 +44,7 @@ def load_hf_into_chunks(chunks: list, ckpt: HFCheckpoint, layout: MegatronLayout
     with torch.no_grad():
         for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
             params = dict(unwrap_model(chunk).named_parameters())
-            _check_names(index, set(params), set(tensors))
+            check_chunk_names(index, set(params), set(tensors))
             for name, param in params.items():
                 fill_local_tensor(param.data, tensors[name], ckpt)
 
@@ -80,7 +64,7 @@ def _boxes_by_hf_name(tensors_per_chunk: list[dict[str, LocalTensor]]) -> dict[s
 def _contributing_ranks(layout: MegatronLayout, world_size: int) -> dict[int, MegatronRank]:
     """One replica of the model: the ranks of data-parallel and context-parallel index 0
     (megatron's rank order is tp-cp-dp-pp)."""
-    from parallel.plan import megatron_device_positions
+    from parallel.reshard.plan import megatron_device_positions
 
     dp = layout.data_parallel_size(world_size)
     return {rank: position for rank, position in megatron_device_positions(layout, world_size).items()
@@ -104,7 +88,7 @@ def gather_hf_tensors(chunks: list, hf: Mapping[str, Any], layout: MegatronLayou
     if me in contributors:
         for index, (chunk, tensors) in enumerate(zip(chunks, shards[contributors[me]])):
             params[index] = dict(unwrap_model(chunk).named_parameters())
-            _check_names(index, set(params[index]), set(tensors))
+            check_chunk_names(index, set(params[index]), set(tensors))
     element_dtype = next(iter(unwrap_model(chunks[0]).parameters())).dtype
 
     def views(rank, name):
@@ -151,7 +135,7 @@ def export_hf_checkpoint(chunks: list, hf: Mapping[str, Any], layout: MegatronLa
     """Collective: write the chunks' weights as an HF checkpoint at ``target`` (rank 0 writes,
     atomically; every rank takes part in the gather). With ``recorded_checksums``, any tensor
     that differs from its recorded checksum fails the export before anything is renamed."""
-    from parallel.hf_io import write_hf_checkpoint
+    from parallel.checkpoint.hf_io import write_hf_checkpoint
 
     dtype = next(iter(unwrap_model(chunks[0]).parameters())).dtype
     stream = gather_hf_tensors(chunks, hf, layout)
@@ -173,109 +157,6 @@ def hf_config_for_export(hf: Mapping[str, Any], dtype: torch.dtype) -> dict:
     config["architectures"] = [family_for(hf).hf_architecture]
     config["dtype"] = str(dtype).removeprefix("torch.")
     return config
-
-
-class _GatherContextParallel(torch.autograd.Function):
-    """All-gather per-token values over the CP group into global token order. Backward keeps this
-    rank's own positions: the caller computes the same loss on every CP rank from the gathered
-    values, and megatron's schedule and DDP already account for the CP replicas."""
-
-    @staticmethod
-    def forward(ctx, local, positions):
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_context_parallel_group()
-        cp = parallel_state.get_context_parallel_world_size()
-        values = [torch.empty_like(local) for _ in range(cp)]
-        where = [torch.empty_like(positions) for _ in range(cp)]
-        dist.all_gather(values, local.contiguous(), group=group)
-        dist.all_gather(where, positions.contiguous(), group=group)
-        values, where = torch.cat(values, dim=1), torch.cat(where, dim=1)
-        index = where.reshape(*where.shape, *([1] * (values.dim() - 2))).expand_as(values)
-        ctx.save_for_backward(positions)
-        ctx.trailing = values.dim() - 2
-        return torch.empty_like(values).scatter_(1, index, values)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (positions,) = ctx.saved_tensors
-        index = positions.reshape(*positions.shape, *([1] * ctx.trailing)).expand(
-            *positions.shape, *grad.shape[2:])
-        return grad.gather(1, index), None
-
-
-def undo_context_parallel_split(local: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[b, s/cp, ...] per-rank values -> [b, s, ...] in global token order (identity at CP=1).
-    ``positions`` [b, s/cp] are the global positions of the local tokens. Differentiable."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return local
-    return _GatherContextParallel.apply(local, positions)
-
-
-def prompt_logits(chunks: list, prompt: torch.Tensor) -> torch.Tensor | None:
-    """Logits [1, seq, vocab] of one prompt ([1, seq]) at any layout (last pipeline stage, else
-    None): the interleaved schedule needs one micro-batch per pipeline stage, so the prompt is
-    repeated that many times and the first copy kept."""
-    from megatron.core import parallel_state
-
-    copies = parallel_state.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
-    logits = megatron_logits(chunks, prompt.expand(copies, -1).contiguous())
-    return None if logits is None else logits[:1]
-
-
-def forward_only_outputs(chunks: list, tokens: torch.Tensor, keep: Callable, what: str = "sequences") -> torch.Tensor | None:
-    """``keep(output_tensor, local_position_ids)`` of every micro-batch of ``tokens`` through
-    megatron's forward-only schedule at any TP/PP/VPP/CP layout, concatenated over the batch on
-    the last pipeline stage (None elsewhere)."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    collected = []
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
-        local = split_for_context_parallel({"tokens": batch, "position_ids": positions})
-        output = model(local["tokens"], local["position_ids"], attention_mask=None)
-
-        def collect(output_tensor):
-            collected.append(keep(output_tensor, local["position_ids"]))
-            return output_tensor.sum() * 0.0, {}
-
-        return output, collect
-
-    # The interleaved schedule needs at least PP micro-batches: split the batch into PP of them.
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    num_micro = pp if len(chunks) > 1 else 1
-    if tokens.shape[0] % num_micro:
-        raise ValueError(f"batch of {tokens.shape[0]} {what} cannot be split into {num_micro} micro-batches "
-                         f"(interleaved pipeline needs PP={pp}); use a multiple of {num_micro}")
-    micro_batches = list(tokens.chunk(num_micro))
-    iterators = [iter(micro_batches) for _ in chunks]
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=num_micro, seq_length=tokens.shape[1], micro_batch_size=micro_batches[0].shape[0],
-        forward_only=True,
-    )
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    return torch.cat(collected).detach()
-
-
-def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocab (padded) logits [batch, seq, vocab] of ``tokens`` through megatron's forward-only
-    schedule at any TP/PP/VPP/CP layout; returned on the last pipeline stage, None elsewhere."""
-    from megatron.core import tensor_parallel
-
-    def keep(output_tensor, positions):
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(output_tensor)
-        return undo_context_parallel_split(logits, positions)
-
-    return forward_only_outputs(chunks, tokens, keep, what="prompts")
 
 
 # ----------------------------------------------------------------------------- conversion jobs
@@ -317,8 +198,8 @@ def logit_probe(ckpt_dir: str, layout: MegatronLayout, hf_dir: str, max_params: 
     n_params = sum(torch.Size(hf.shape(name)).numel() for name in hf.names)
     if n_params > max_params:
         return f"logit probe skipped: {n_params / 1e9:.1f}B parameters exceed the CPU probe limit {max_params / 1e9:.1f}B"
-    from parallel.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
-    from parallel.layout import build_model_chunks
+    from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
+    from parallel.models import build_model_chunks
 
     chunks = build_model_chunks(read_checkpoint_metadata(ckpt_dir)["hf_config"], layout)
     load_megatron_checkpoint(chunks, ckpt_dir)
@@ -345,13 +226,13 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
     """Collective: convert an HF checkpoint into a Megatron dist checkpoint, sharded at ``layout``.
 
     Streams: each rank writes its shards straight from the safetensors files, one shard in
-    memory at a time (``parallel.ckpt_stream``); no rank builds the model's weights, except the
+    memory at a time (``parallel.checkpoint.stream``); no rank builds the model's weights, except the
     logit probe of the verification (capped by model size)."""
     import time
 
-    from parallel.ckpt_stream import read_hf_tensors, save_streamed
-    from parallel.dist_ckpt import write_megatron_checkpoint
-    from parallel.hf_io import tensor_checksum
+    from parallel.checkpoint.dist_ckpt import write_megatron_checkpoint
+    from parallel.checkpoint.hf_io import tensor_checksum
+    from parallel.checkpoint.stream import read_hf_tensors, save_streamed
     from parallel.layout import initialize_megatron
 
     start = time.monotonic()
@@ -394,9 +275,9 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
     other ranks only contribute their shard boxes (and take part in the logit probe)."""
     import time
 
-    from parallel.ckpt_stream import read_hf_tensors, stored_dtype
-    from parallel.dist_ckpt import read_checkpoint_metadata
-    from parallel.hf_io import write_hf_checkpoint
+    from parallel.checkpoint.dist_ckpt import read_checkpoint_metadata
+    from parallel.checkpoint.hf_io import write_hf_checkpoint
+    from parallel.checkpoint.stream import read_hf_tensors, stored_dtype
     from parallel.layout import initialize_megatron
 
     start = time.monotonic()
@@ -424,7 +305,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
 def _matching_checksums(stream, recorded: Mapping[str, str], source: str):
     """Pass tensors through, failing (before anything is renamed into place) on any tensor whose
     checksum differs from the one recorded when the checkpoint was saved."""
-    from parallel.hf_io import tensor_checksum
+    from parallel.checkpoint.hf_io import tensor_checksum
 
     for name, tensor in stream:
         if tensor is not None and name in recorded and tensor_checksum(tensor) != recorded[name]:
@@ -441,3 +322,31 @@ def conversion_on_rank(direction: str, source: str, target: str, layout: Megatro
         return job(source, target, layout, verify=verify)
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def load_hf_into_value_chunks(chunks: list, ckpt: HFCheckpoint, layout: MegatronLayout,
+                              head_seed: int = 0, head_std: float | None = None) -> None:
+    """Fill this rank's value chunks from an HF checkpoint: every embedding/transformer/norm weight
+    as ``load_hf_into_chunks`` would; then the head: from a sequence-classification checkpoint
+    with one label (a reward model) its ``score.weight``, from a causal LM (the policy's, for a
+    fresh critic) lm_head is skipped and the head re-initialised by ``init_value_head``."""
+    from model_specs import CLASSIFIER_HEAD, classifier_labels
+
+    expected = megatron_shards(ckpt.config, layout)[this_megatron_rank()]
+    with torch.no_grad():
+        for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
+            params = {name: p for name, p in unwrap_model(chunk).named_parameters()
+                      if not name.startswith("output_layer.")}
+            tensors = {name: t for name, t in tensors.items() if not name.startswith("output_layer.")}
+            check_chunk_names(index, set(params), set(tensors))
+            for name, param in params.items():
+                fill_local_tensor(param.data, tensors[name], ckpt)
+        labels = classifier_labels(ckpt.config)
+        if labels is not None:
+            if labels != 1:
+                raise CheckpointError(f"{ckpt.path}: a value head scores one label, this classifier has {labels}")
+            for head in value_heads(chunks):
+                head.weight.copy_(ckpt.read(CLASSIFIER_HEAD))
+            return
+    std = ckpt.config.get("initializer_range", 0.02) if head_std is None else head_std
+    init_value_head(chunks, head_seed, std)

@@ -24,7 +24,7 @@ cp_comm_type: K/V blocks circulate and a rank never holds all of them). On GPUs 
 Engine installed, use TE's attention instead (see parallel.layout.layer_spec).
 
 Packed sequences (megatron's "thd" format, ``PackedSeqParams`` with cu_seqlens; built by
-``parallel.packing``): several sequences share one row, each query attends causally within its own
+``parallel.modules.packing``): several sequences share one row, each query attends causally within its own
 sequence only. Attention is computed per sequence (sum of L_i^2 scores, not T^2 for the row); with
 CP each sequence is zig-zag split on its own (TE's thd layout, which megatron's thd RoPE assumes),
 so every sequence's padded length must be a multiple of 2*CP. Megatron's local
@@ -143,7 +143,7 @@ def context_parallel_attention(
         raise ValueError(
             f"packed_seq_params cu_seqlens end at {int(cu_seqlens[-1])} tokens but the row holds "
             f"{cp_size * local_len} (cp={cp_size} x {local_len} local); the padding must belong to a "
-            f"sequence: pass cu_seqlens_q_padded (parallel.packing.PackedBatch.packed_seq_params)"
+            f"sequence: pass cu_seqlens_q_padded (parallel.modules.packing.PackedBatch.packed_seq_params)"
         )
     if cp_size > 1:
         key, value = _GatherSequence.apply(key, cp_group), _GatherSequence.apply(value, cp_group)
@@ -237,7 +237,7 @@ def packed_boundaries(packed_seq_params) -> torch.Tensor:
         raise NotImplementedError(
             f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd' is supported "
             f"(megatron restarts RoPE positions per sequence only for thd); build the params with "
-            f"parallel.packing.pack_sequences"
+            f"parallel.modules.packing.pack_sequences"
         )
     params = packed_seq_params
     cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
@@ -265,3 +265,43 @@ def split_for_context_parallel(batch: dict) -> dict:
             f"(context-parallel zig-zag split); pad sequences to a multiple of {2 * cp}"
         )
     return get_batch_on_this_cp_rank({key: value.contiguous() for key, value in batch.items()})
+
+
+class _GatherContextParallel(torch.autograd.Function):
+    """All-gather per-token values over the CP group into global token order. Backward keeps this
+    rank's own positions: the caller computes the same loss on every CP rank from the gathered
+    values, and megatron's schedule and DDP already account for the CP replicas."""
+
+    @staticmethod
+    def forward(ctx, local, positions):
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+        cp = parallel_state.get_context_parallel_world_size()
+        values = [torch.empty_like(local) for _ in range(cp)]
+        where = [torch.empty_like(positions) for _ in range(cp)]
+        dist.all_gather(values, local.contiguous(), group=group)
+        dist.all_gather(where, positions.contiguous(), group=group)
+        values, where = torch.cat(values, dim=1), torch.cat(where, dim=1)
+        index = where.reshape(*where.shape, *([1] * (values.dim() - 2))).expand_as(values)
+        ctx.save_for_backward(positions)
+        ctx.trailing = values.dim() - 2
+        return torch.empty_like(values).scatter_(1, index, values)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (positions,) = ctx.saved_tensors
+        index = positions.reshape(*positions.shape, *([1] * ctx.trailing)).expand(
+            *positions.shape, *grad.shape[2:])
+        return grad.gather(1, index), None
+
+
+
+def undo_context_parallel_split(local: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[b, s/cp, ...] per-rank values -> [b, s, ...] in global token order (identity at CP=1).
+    ``positions`` [b, s/cp] are the global positions of the local tokens. Differentiable."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return local
+    return _GatherContextParallel.apply(local, positions)

@@ -42,12 +42,7 @@ a transient [vocab/tp, hidden] tensor on the last stage at build time, freed rig
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import torch
-
-from parallel.hf_io import CheckpointError, HFCheckpoint
-from parallel.layout import MegatronLayout, build_model_chunks, unwrap_model
 
 HEAD_CHECKPOINT_SUFFIX = "value_head_weight"
 
@@ -100,124 +95,10 @@ class ValueHead(torch.nn.Module):
         }
 
 
-def is_value_chunk(chunk) -> bool:
-    """Whether a (possibly DDP-wrapped) chunk's output layer is a ValueHead."""
-    model = unwrap_model(chunk)
-    return isinstance(getattr(model, "output_layer", None), ValueHead)
-
-
-def value_heads(chunks: list) -> list[ValueHead]:
-    """The value heads of this rank's chunks (one on the last pipeline stage's last chunk, else none)."""
-    return [unwrap_model(c).output_layer for c in chunks if is_value_chunk(c)]
-
-
-def build_value_model_chunks(
-    hf_config: Mapping[str, Any],
-    layout: MegatronLayout,
-    params_dtype: torch.dtype = torch.float32,
-    head_seed: int = 0,
-    head_std: float | None = None,
-    **build_kwargs: Any,
-) -> list:
-    """This rank's critic chunks (one GPTModel per virtual pipeline stage, like
-    ``build_model_chunks``), untied, the last stage's output layer a ``ValueHead`` initialised by
-    ``init_value_head(chunks, head_seed, head_std)``. Transformer weights are megatron's init
-    until loaded (``load_hf_into_value_chunks`` or a dist checkpoint). ``build_kwargs`` go to
-    ``build_model_chunks`` unchanged (TransformerConfig overrides, packed_sequences, ...)."""
-    untied = {**hf_config, "tie_word_embeddings": False}
-    chunks = build_model_chunks(untied, layout, params_dtype, **build_kwargs)
-    for chunk in chunks:
-        model = unwrap_model(chunk)
-        if model.post_process:
-            if model.share_embeddings_and_output_weights:
-                raise AssertionError("critic chunk was built with tied embeddings")
-            model.output_layer = ValueHead(model.config)
-    init_value_head(chunks, head_seed, hf_config.get("initializer_range", 0.02) if head_std is None else head_std)
-    return chunks
-
-
-def init_value_head(chunks: list, seed: int = 0, std: float = 0.02) -> None:
-    """Set every value head to the same N(0, std^2) draw from ``torch.Generator().manual_seed(seed)``
-    (identical on every rank and layout; std=0 gives zeros)."""
-    for head in value_heads(chunks):
-        generator = torch.Generator().manual_seed(seed)
-        full = torch.randn(head.weight.shape, generator=generator, dtype=torch.float32) * std
-        with torch.no_grad():
-            head.weight.copy_(full)
-
-
-def load_hf_into_value_chunks(chunks: list, ckpt: HFCheckpoint, layout: MegatronLayout,
-                              head_seed: int = 0, head_std: float | None = None) -> None:
-    """Fill this rank's value chunks from an HF checkpoint: every embedding/transformer/norm weight
-    as ``load_hf_into_chunks`` would; then the head: from a sequence-classification checkpoint
-    with one label (a reward model) its ``score.weight``, from a causal LM (the policy's, for a
-    fresh critic) lm_head is skipped and the head re-initialised by ``init_value_head``."""
-    from model_specs import CLASSIFIER_HEAD, classifier_labels
-    from parallel.convert import _check_names, fill_local_tensor, this_megatron_rank
-    from parallel.shards import megatron_shards
-
-    expected = megatron_shards(ckpt.config, layout)[this_megatron_rank()]
-    with torch.no_grad():
-        for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
-            params = {name: p for name, p in unwrap_model(chunk).named_parameters()
-                      if not name.startswith("output_layer.")}
-            tensors = {name: t for name, t in tensors.items() if not name.startswith("output_layer.")}
-            _check_names(index, set(params), set(tensors))
-            for name, param in params.items():
-                fill_local_tensor(param.data, tensors[name], ckpt)
-        labels = classifier_labels(ckpt.config)
-        if labels is not None:
-            if labels != 1:
-                raise CheckpointError(f"{ckpt.path}: a value head scores one label, this classifier has {labels}")
-            for head in value_heads(chunks):
-                head.weight.copy_(ckpt.read(CLASSIFIER_HEAD))
-            return
-    std = ckpt.config.get("initializer_range", 0.02) if head_std is None else head_std
-    init_value_head(chunks, head_seed, std)
-
-
-def init_value_params_layout_independent(chunks: list, seed: int, vocab_size: int, std: float = 0.02,
-                                         head_seed: int = 0, head_std: float = 0.02) -> None:
-    """``init_params_layout_independent`` for critic chunks (it would treat the [1, hidden] head as
-    a vocab matrix): every other parameter from (seed, global name), the head by ``init_value_head``."""
-    from parallel.layout import init_params_layout_independent
-
-    models = [unwrap_model(c) for c in chunks]
-    heads = {}
-    for index, model in enumerate(models):
-        if isinstance(getattr(model, "output_layer", None), ValueHead):
-            heads[index] = model.output_layer
-            model.output_layer = torch.nn.Module()  # no parameters while the rest is drawn
-    try:
-        init_params_layout_independent(chunks, seed, vocab_size, std)
-    finally:
-        for index, head in heads.items():
-            models[index].output_layer = head
-    init_value_head(chunks, head_seed, head_std)
-
-
 def values_from_output(output: torch.Tensor) -> torch.Tensor:
     """GPTModel's critic output [b, s, 1] -> values [b, s] (fp32)."""
     if output.dim() != 3 or output.shape[-1] != 1:
         raise ValueError(f"expected critic output [b, s, 1], got {list(output.shape)}: is this a value model?")
     return output.squeeze(-1).float()
 
-
-def megatron_values(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Values [batch, seq] (fp32) of ``tokens`` through megatron's forward-only schedule at any
-    TP/PP/VPP/CP/SP layout; returned on the last pipeline stage (every TP/CP rank), None elsewhere.
-    With VPP the batch must split into PP micro-batches (as in ``megatron_logits``)."""
-    from parallel.convert import forward_only_outputs, undo_context_parallel_split
-
-    def keep(output_tensor, positions):
-        return values_from_output(undo_context_parallel_split(output_tensor, positions))
-
-    was_training = [unwrap_model(c).training for c in chunks]
-    for chunk in chunks:
-        chunk.eval()
-    try:
-        return forward_only_outputs(chunks, tokens, keep)
-    finally:
-        for chunk, training in zip(chunks, was_training):
-            chunk.train(training)
 

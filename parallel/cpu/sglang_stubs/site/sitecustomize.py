@@ -3,7 +3,7 @@ on their PYTHONPATH; SGLang spawns its scheduler/detokenizer children, which mus
 their first import). Two independent hooks, each off unless its variable is "1":
 
 ``MEGARL_CPU_STUBS``
-    install megarl's CPU import stubs (CPU engines only; see ``parallel/cpu_stubs/__init__.py``).
+    install megarl's CPU import stubs (CPU engines only; see ``parallel/cpu/sglang_stubs/__init__.py``).
 ``MEGARL_SGLANG_SCHEDULER_PATCH``
     add ``Scheduler.megarl_reseed`` to SGLang's scheduler and batch the torch-native decode attention
     when they are imported (every device; see
@@ -17,7 +17,7 @@ import os
 import sys
 
 if os.environ.get("MEGARL_CPU_STUBS", "") == "1":
-    from parallel.cpu_stubs import install_from_env
+    from parallel.cpu.sglang_stubs import install_from_env
 
     install_from_env()
 

@@ -2,7 +2,7 @@
 tensor: the checks every conversion runs, usable on their own (``megarl verify``).
 
 Each side is read as a stream of full HF-named tensors (an HF checkpoint from its files, a
-Megatron checkpoint from its files through ``parallel.ckpt_stream``), so the comparison holds at
+Megatron checkpoint from its files through ``parallel.checkpoint.stream``), so the comparison holds at
 most one tensor per side in memory; only the logits build the model (megatron's own load at the
 verification layout). Reported: configs that differ, tensors
 missing on either side, tensors that differ (with their max abs difference), recorded checksums
@@ -18,12 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.ckpt_stream import read_hf_tensors
-from parallel.convert import PROBE_TOKENS, prompt_logits
-from parallel.dist_ckpt import METADATA_FILE, load_megatron_checkpoint, read_checkpoint_metadata
-from parallel.hf_io import CHECKSUMS_FILE, CheckpointError, HFCheckpoint, tensor_checksum
-from parallel.layout import MegatronLayout, build_model_chunks
-from parallel.shards import hf_tensor_shapes
+from parallel.checkpoint.convert import PROBE_TOKENS
+from parallel.checkpoint.dist_ckpt import METADATA_FILE, load_megatron_checkpoint, read_checkpoint_metadata
+from parallel.checkpoint.hf_io import CHECKSUMS_FILE, CheckpointError, HFCheckpoint, tensor_checksum
+from parallel.checkpoint.stream import read_hf_tensors
+from parallel.forward import prompt_logits
+from parallel.layout import MegatronLayout
+from parallel.models import build_model_chunks
+from parallel.reshard.shards import hf_tensor_shapes
 
 # config.json fields that describe the file, not the model.
 _NOT_MODEL_FIELDS = {"transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path"}

@@ -3,7 +3,7 @@
 A layout's local tensor (one parameter on one rank) is described as a list of ``Piece``s: each
 piece says "this box of the local tensor holds that box of HF tensor X" (or zeros, for vocab
 padding). The HF checkpoint is the canonical coordinate system shared by every layout, so
-any two layouts can be related by intersecting boxes (see ``parallel/plan.py``), and a layout's
+any two layouts can be related by intersecting boxes (see ``parallel/reshard/plan.py``), and a layout's
 description can be checked on its own: every element of every local tensor covered exactly once.
 
 ``megatron_shards`` derives the description of a Megatron TP/PP/VPP layout from a family's
@@ -18,7 +18,8 @@ import math
 from typing import Any, Mapping
 
 from model_specs import family_for, padded_vocab_size
-from parallel.layout import MegatronLayout, megatron_config
+from parallel.layout import MegatronLayout
+from parallel.models import megatron_config
 
 Box = tuple[tuple[int, int], ...]  # per dimension [start, stop)
 
@@ -272,3 +273,12 @@ def sglang_shards(hf: Mapping[str, Any], tp: int) -> dict[int, dict[str, LocalTe
                 tensors[name] = LocalTensor(name, shape, tuple(pieces))
         result[rank] = tensors
     return result
+
+
+def this_megatron_rank() -> MegatronRank:
+    """This process's (pipeline, tensor) position in megatron's initialised process groups."""
+    from megatron.core import parallel_state
+
+    return MegatronRank(
+        pp=parallel_state.get_pipeline_model_parallel_rank(), tp=parallel_state.get_tensor_model_parallel_rank()
+    )

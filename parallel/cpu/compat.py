@@ -31,7 +31,7 @@ Patches (name -> why):
   fused norms). Without the tag the norm grads are wrong, which the test checks.
 - ``onednn_linear``: megatron's linear layers (``linear_with_grad_accumulation_and_async_allreduce``
   and ``linear_with_frozen_weight``) run their fp32 forward and input-gradient GEMMs through
-  oneDNN (:class:`parallel.cpu_linear.LinearFunction`): 1.1-1.7x MKL's SGEMM on this machine, a
+  oneDNN (:class:`parallel.cpu.linear.LinearFunction`): 1.1-1.7x MKL's SGEMM on this machine, a
   ~20% faster 20M-model update. Sequence parallelism, gradient-accumulation fusion and deferred
   weight gradients keep megatron's own function; ``MEGARL_CPU_LINEAR=aten`` turns it off. Tested
   in tests/test_cpu_linear.py (TP=1/2 against a float64 oracle).
@@ -40,8 +40,8 @@ Patches (name -> why):
 from __future__ import annotations
 
 import contextlib
-import warnings
 import functools
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
@@ -227,7 +227,7 @@ def _patch_sequence_parallel_norm() -> None:
 def _patch_onednn_linear() -> None:
     from megatron.core.tensor_parallel import layers
 
-    from parallel import cpu_linear
+    from parallel.cpu import linear as cpu_linear
 
     with_grad, frozen = layers.linear_with_grad_accumulation_and_async_allreduce, layers.linear_with_frozen_weight
 

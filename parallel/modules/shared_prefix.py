@@ -31,8 +31,8 @@ import dataclasses
 
 import torch
 
-from parallel.context_parallel import ContextParallelAttention
-from parallel.memo import reuse_while_unchanged
+from parallel.modules.context_parallel import ContextParallelAttention
+from parallel.modules.memo import reuse_while_unchanged
 
 PADDING = -1  # segment id of padding tokens
 PREFIX = 0  # segment id of the shared prefix; branches are 1, 2, ...
@@ -155,12 +155,11 @@ class SharedPrefixAttention(ContextParallelAttention):
 
 @contextlib.contextmanager
 def rotary_positions(model, position_ids: torch.Tensor):
-    """During this block, ``model``'s (a GPTModel chunk, wrapped or not) rotary embedding is taken
-    at ``position_ids`` [b, s] per token instead of at 0..s-1 for every row: ``[s, b, 1, dim]``
-    frequencies, which megatron's bshd RoPE broadcasts over heads. No CP or packed rows."""
-    from parallel.layout import unwrap_model
-
-    rope = getattr(unwrap_model(model), "rotary_pos_emb", None)
+    """During this block, ``model``'s (a GPTModel, unwrapped: ``parallel.models.unwrap_model``)
+    rotary embedding is taken at ``position_ids`` [b, s] per token instead of at 0..s-1 for every
+    row: ``[s, b, 1, dim]`` frequencies, which megatron's bshd RoPE broadcasts over heads. No CP or
+    packed rows."""
+    rope = getattr(model, "rotary_pos_emb", None)
     if rope is None:
         raise ValueError("rotary_positions: the model has no rotary embedding (position_embedding_type='rope')")
 

@@ -1,0 +1,249 @@
+"""This rank's Megatron model chunks at a layout: the policy (GPTModel) and the critic (GPTModel with
+a value head), their layer spec, and initialisation that is the same at every layout.
+
+``parallel.layout`` says where shards live; this module builds the modules that hold them, from
+``model_specs`` (the family's TransformerConfig and GPTModel arguments) and ``parallel.modules``
+(the attention variants and the value head).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from parallel.cpu import compat as cpu_compat
+from parallel.layout import MegatronLayout
+from parallel.modules.value_head import ValueHead
+
+
+def megatron_config(
+    hf_config: Mapping[str, Any],
+    layout: MegatronLayout,
+    params_dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+):
+    """megatron's TransformerConfig for an HF config at a layout (no process groups needed)."""
+    from megatron.core.transformer import TransformerConfig
+
+    from model_specs import family_for
+    if cpu_compat.needed():
+        config_overrides = {**cpu_compat.GLOO_CONFIG_OVERRIDES, **config_overrides}
+    return TransformerConfig(
+        **family_for(hf_config).transformer_config_kwargs(hf_config),
+        **layout.transformer_config_kwargs(),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=True,
+        **config_overrides,
+    )
+
+
+
+def layer_spec(config, layout: MegatronLayout, packed_sequences: bool = False, shared_prompts: bool = False):
+    """The transformer-layer spec: megatron's local spec (pure torch; runs on CPU), with the core
+    attention replaced by the project's context-parallel attention when ``layout.cp > 1`` or
+    ``packed_sequences`` (megatron's local DotProductAttention refuses both CP and
+    packed_seq_params; only Transformer Engine's does them), or by the shared-prefix rows'
+    attention when ``shared_prompts`` (``parallel.modules.shared_prefix``). The attention has no
+    parameters, so all specs hold the same weights and checkpoints.
+
+    Branch point for GPUs: with Transformer Engine installed, megatron's
+    ``get_gpt_layer_with_transformer_engine_spec`` (TEDotProductAttention does CP natively, with
+    ring/all-gather/all-to-all ``cp_comm_type``, and packed sequences) is the right spec; it is
+    not used yet because TE-fused parameter names differ from the local spec's.
+    """
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    if shared_prompts and (layout.cp > 1 or packed_sequences):
+        raise ValueError(f"shared-prompt rows need context parallelism 1 (cp={layout.cp}) and padded rows "
+                         f"(packed_sequences={packed_sequences}); turn shared_prompts off")
+    if layout.cp > 1 or packed_sequences or shared_prompts:
+        from parallel.modules.context_parallel import ContextParallelAttention
+        from parallel.modules.shared_prefix import SharedPrefixAttention
+
+        spec = copy.deepcopy(spec)
+        attention = SharedPrefixAttention if shared_prompts else ContextParallelAttention
+        spec.submodules.self_attention.submodules.core_attention = attention
+    return spec
+
+
+
+def build_model_chunks(
+    hf_config: Mapping[str, Any],
+    layout: MegatronLayout,
+    params_dtype: torch.dtype = torch.float32,
+    make_vocab_size_divisible_by: int = 128,
+    packed_sequences: bool = False,
+    shared_prompts: bool = False,
+    **config_overrides: Any,
+) -> list:
+    """This rank's GPTModel chunks (one per virtual pipeline stage) for an HF config.
+
+    Weights are initialised on the CPU from the full tensors and then split (megatron's
+    ``use_cpu_initialization``), so the same seed gives the same model at every layout.
+    ``packed_sequences``: the chunks accept ``packed_seq_params`` (see parallel.modules.packing);
+    ``shared_prompts``: shared-prefix rows' segment ids as ``attention_mask`` (parallel.modules.shared_prefix).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from model_specs import family_for, padded_vocab_size
+
+    family = family_for(hf_config)
+    config = megatron_config(hf_config, layout, params_dtype, **config_overrides)
+    model_kwargs = family.gpt_model_kwargs(hf_config)
+    model_kwargs["vocab_size"] = padded_vocab_size(model_kwargs["vocab_size"], make_vocab_size_divisible_by, layout.tp)
+    spec = layer_spec(config, layout, packed_sequences, shared_prompts)
+    chunks = []
+    for vp_stage in range(layout.vpp or 1):
+        vp = vp_stage if layout.vpp else None
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                vp_stage=vp,
+                **model_kwargs,
+            )
+        )
+    return chunks
+
+
+
+def global_param_name(chunk, name: str) -> str:
+    """A chunk parameter's name with its local layer index replaced by megatron's global layer
+    number (0-based), so the same parameter has the same name at every TP/PP/VPP layout."""
+    parts = name.split(".")
+    if "layers" in parts:
+        index = parts.index("layers") + 1
+        parts[index] = str(chunk.decoder.layers[int(parts[index])].layer_number - 1)
+    if parts[-2:] == ["output_layer", "weight"] and chunk.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    return ".".join(parts)
+
+
+
+def init_params_layout_independent(chunks: list, seed: int, vocab_size: int, std: float = 0.02) -> None:
+    """Overwrite every parameter with a shard of a full tensor drawn from (seed, global name).
+
+    Megatron's own initialisation depends on the order in which a rank builds its layers, so
+    PP/VPP layouts start from different weights; after this, every layout holds the same model
+    and must compute the same losses and gradients (the strongest layout oracle we have).
+    Norm weights are 1 + noise and biases small noise, so a misplaced one changes the output.
+    Vocab rows past ``vocab_size`` (Megatron's TP-dependent padding) are zero; the gated MLP's
+    fused [gate; up] weight is sharded per half, as megatron lays it out per rank.
+    """
+    import zlib
+
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                key = global_param_name(chunk, name)
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+                full_shape = list(param.shape)
+                partitioned = getattr(param, "tensor_model_parallel", False)
+                if partitioned:
+                    full_shape[param.partition_dim] *= tp_size
+                is_vocab = key in ("embedding.word_embeddings.weight", "output_layer.weight")
+                draw_shape = [vocab_size, *full_shape[1:]] if is_vocab else full_shape
+                full = torch.randn(draw_shape, generator=generator, dtype=torch.float32)
+                if "layernorm" in key or key.endswith("norm.weight"):
+                    full = 1.0 + 0.1 * full
+                elif key.endswith("bias"):
+                    full = 0.1 * full
+                else:
+                    full = std * full
+                if is_vocab:
+                    full = torch.cat([full, full.new_zeros(full_shape[0] - vocab_size, *full_shape[1:])])
+                if not partitioned:
+                    param.copy_(full)
+                elif key.endswith("linear_fc1.weight") and chunk.config.gated_linear_unit:
+                    gate, up = full.chunk(2, dim=0)
+                    param.copy_(torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]))
+                else:
+                    param.copy_(full.chunk(tp_size, dim=param.partition_dim)[tp_rank])
+
+
+
+def unwrap_model(chunk):
+    """The GPTModel inside DDP/Float16 wrappers (wrappers prefix parameter names with 'module.')."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def is_value_chunk(chunk) -> bool:
+    """Whether a (possibly DDP-wrapped) chunk's output layer is a ValueHead."""
+    model = unwrap_model(chunk)
+    return isinstance(getattr(model, "output_layer", None), ValueHead)
+
+
+
+def value_heads(chunks: list) -> list[ValueHead]:
+    """The value heads of this rank's chunks (one on the last pipeline stage's last chunk, else none)."""
+    return [unwrap_model(c).output_layer for c in chunks if is_value_chunk(c)]
+
+
+
+def build_value_model_chunks(
+    hf_config: Mapping[str, Any],
+    layout: MegatronLayout,
+    params_dtype: torch.dtype = torch.float32,
+    head_seed: int = 0,
+    head_std: float | None = None,
+    **build_kwargs: Any,
+) -> list:
+    """This rank's critic chunks (one GPTModel per virtual pipeline stage, like
+    ``build_model_chunks``), untied, the last stage's output layer a ``ValueHead`` initialised by
+    ``init_value_head(chunks, head_seed, head_std)``. Transformer weights are megatron's init
+    until loaded (``load_hf_into_value_chunks`` or a dist checkpoint). ``build_kwargs`` go to
+    ``build_model_chunks`` unchanged (TransformerConfig overrides, packed_sequences, ...)."""
+    untied = {**hf_config, "tie_word_embeddings": False}
+    chunks = build_model_chunks(untied, layout, params_dtype, **build_kwargs)
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        if model.post_process:
+            if model.share_embeddings_and_output_weights:
+                raise AssertionError("critic chunk was built with tied embeddings")
+            model.output_layer = ValueHead(model.config)
+    init_value_head(chunks, head_seed, hf_config.get("initializer_range", 0.02) if head_std is None else head_std)
+    return chunks
+
+
+
+def init_value_head(chunks: list, seed: int = 0, std: float = 0.02) -> None:
+    """Set every value head to the same N(0, std^2) draw from ``torch.Generator().manual_seed(seed)``
+    (identical on every rank and layout; std=0 gives zeros)."""
+    for head in value_heads(chunks):
+        generator = torch.Generator().manual_seed(seed)
+        full = torch.randn(head.weight.shape, generator=generator, dtype=torch.float32) * std
+        with torch.no_grad():
+            head.weight.copy_(full)
+
+
+
+def init_value_params_layout_independent(chunks: list, seed: int, vocab_size: int, std: float = 0.02,
+                                         head_seed: int = 0, head_std: float = 0.02) -> None:
+    """``init_params_layout_independent`` for critic chunks (it would treat the [1, hidden] head as
+    a vocab matrix): every other parameter from (seed, global name), the head by ``init_value_head``."""
+    models = [unwrap_model(c) for c in chunks]
+    heads = {}
+    for index, model in enumerate(models):
+        if isinstance(getattr(model, "output_layer", None), ValueHead):
+            heads[index] = model.output_layer
+            model.output_layer = torch.nn.Module()  # no parameters while the rest is drawn
+    try:
+        init_params_layout_independent(chunks, seed, vocab_size, std)
+    finally:
+        for index, head in heads.items():
+            models[index].output_layer = head
+    init_value_head(chunks, head_seed, head_std)

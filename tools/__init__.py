@@ -1,0 +1,1 @@
+"""Command-line tools over the library (benchmarks, conversion, data); run as scripts, never imported by it."""
