@@ -5,7 +5,7 @@
 #   bash ci/slurm_up.sh            # then: export SLURM_CONF=$MEGARL_SLURM_DIR/slurm.conf; sinfo
 #   bash ci/slurm_down.sh          # stops exactly what this script started
 #
-# What it does (as root; Debian 12's Slurm 22.05 and munge, see notes/slurm_local.md):
+# What it does (as root; Debian 12's Slurm 22.05 and munge, see docs/cpu.md):
 #   - installs slurmctld slurmd slurm-client munge if missing (apt-get, no recommends);
 #   - writes everything into one state dir it owns ($MEGARL_SLURM_DIR, default /tmp/megarl-slurm):
 #     slurm.conf, gres.conf, a munge key and socket, spool/state dirs, logs, pids;
@@ -92,7 +92,7 @@ gres_ok=1
 for i in 0 1; do mknod "$DIR/dev/gpu$i" c 1 3 2>/dev/null || gres_ok=0; done
 CTLD_HOST=$(hostname -s)
 {
-  echo "# Written by ci/slurm_up.sh: a two-node test cluster on one host (notes/slurm_local.md)."
+  echo "# Written by ci/slurm_up.sh: a two-node test cluster on one host (docs/cpu.md)."
   echo "ClusterName=megarl"
   echo "SlurmctldHost=${CTLD_HOST}(127.0.0.1)"
   echo "SlurmctldPort=$PORT"

@@ -96,7 +96,8 @@ def _convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from parallel.checkpoint.dist_ckpt import read_checkpoint_metadata
-    from parallel.checkpoint.hf_io import CheckpointError, HFCheckpoint
+    from parallel.checkpoint.errors import CheckpointError
+    from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.layout import LayoutError, MegatronLayout
 
     layout = MegatronLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)

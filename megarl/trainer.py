@@ -46,16 +46,15 @@ def materialize_model(cfg: RunConfig) -> str:
     randomly initialised model with the character tokenizer, made once under the output dir."""
     from model_specs.presets import PRESETS, save_tiny_hf_model
     from model_specs.tokenizer import save_char_tokenizer
+    from parallel.checkpoint.atomic import atomic_directory
 
     if Path(cfg.model.path).is_dir() or cfg.model.path not in PRESETS:
         return cfg.model.path
     target = Path(cfg.trainer.output_dir) / "initial_model"
     if not (target / "config.json").is_file():
-        partial = target.parent / f".{target.name}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        save_tiny_hf_model(cfg.model.path, partial, seed=cfg.trainer.seed, eos_token_id=1, pad_token_id=0)
-        save_char_tokenizer(partial)
-        partial.rename(target)
+        with atomic_directory(target, partial=target.parent / f".{target.name}.partial") as partial:
+            save_tiny_hf_model(cfg.model.path, partial, seed=cfg.trainer.seed, eos_token_id=1, pad_token_id=0)
+            save_char_tokenizer(partial)
     return str(target)
 
 
@@ -233,7 +232,8 @@ class Trainer:
         import ray
 
         from megarl.workers.batch import MicroBatching
-        from megarl.workers.megatron_worker import LossSettings, ModelSpec
+        from megarl.workers.losses import LossSettings
+        from megarl.workers.megatron_worker import ModelSpec
 
         cfg = self.cfg
         a = cfg.actor
@@ -367,9 +367,7 @@ class Trainer:
     def advantages(self, batch: dict, scores: torch.Tensor, metrics: dict) -> None:
         """Token rewards (score on the last token, minus a KL penalty if configured) -> the
         configured estimator's advantages and returns, written into ``batch``."""
-        import inspect
-
-        from megarl.algorithms import apply_kl_penalty, get_advantage, scores_to_token_rewards
+        from megarl.algorithms import advantage_spec, apply_kl_penalty, scores_to_token_rewards
         from megarl.workers.batch import response_mask
 
         alg = self.cfg.algorithm
@@ -381,12 +379,10 @@ class Trainer:
             metrics["kl_penalty/kl"] = float(kl["kl"])
             metrics["kl_penalty/coef"] = float(kl["kl_coef"])
             self.kl_controller.update(float(kl["kl"]), n_steps=len(scores))
-        estimator = get_advantage(alg.advantage)
-        available = {"token_rewards": token_rewards, "response_mask": mask, "index": batch["uid"],
-                     "values": batch.get("old_values"), "gamma": alg.gamma, "lam": alg.lam,
-                     "norm_by_std": alg.norm_adv_by_std}
-        accepted = inspect.signature(estimator).parameters
-        adv, returns = estimator(**{k: v for k, v in available.items() if k in accepted and v is not None})
+        # what this trainer has for the estimator's declared inputs (None: not in this run)
+        adv, returns = advantage_spec(alg.advantage)(
+            token_rewards=token_rewards, response_mask=mask, index=batch["uid"], values=batch.get("old_values"),
+            gamma=alg.gamma, lam=alg.lam, norm_by_std=alg.norm_adv_by_std)
         batch["advantages"], batch["returns"] = adv, returns
 
     def update(self, batch: dict) -> dict[str, float]:
@@ -473,8 +469,9 @@ class Trainer:
     def save_rollouts(self, batch: dict, scores: torch.Tensor, step: int) -> Path:
         """This step's samples as ``rollouts/step_<k>.jsonl``: one line per sample with its prompt
         and response token ids, the response text, its score and advantage at the first token."""
+        from parallel.checkpoint.atomic import atomic_file
+
         target = self.out / "rollouts" / f"step_{step:06d}.jsonl"
-        target.parent.mkdir(parents=True, exist_ok=True)
         lines = []
         for i, text in enumerate(batch["responses"]):
             prompt, response = int(batch["prompt_lengths"][i]), int(batch["response_lengths"][i])
@@ -482,9 +479,8 @@ class Trainer:
             lines.append(json.dumps({"uid": batch["uid"][i], "prompt_ids": ids[:prompt],
                                      "response_ids": ids[prompt:prompt + response], "response": text,
                                      "score": float(scores[i]), "advantage": float(batch["advantages"][i, 0])}))
-        partial = target.with_suffix(".partial")
-        partial.write_text("\n".join(lines) + "\n")
-        partial.rename(target)
+        with atomic_file(target) as partial:
+            partial.write_text("\n".join(lines) + "\n")
         return target
 
     # ------------------------------------------------------------------ checkpoints
@@ -496,18 +492,18 @@ class Trainer:
         return sorted(done, key=lambda p: int(p.name.split("_")[1]))
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_<k>`` atomically (temp dir, then rename) and keep the last K."""
+        """Write ``checkpoints/step_<k>`` atomically (the hidden ``.step_<k>.partial``, renamed
+        when complete; a killed save's is removed by the next) and keep the last K."""
+        from parallel.checkpoint.atomic import atomic_directory
+
         target = self.out / CHECKPOINT_DIR / f"step_{self.step:06d}"
         if target.exists():
             return target
-        partial = target.parent / f".{target.name}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        self._call_workers("save_checkpoint", str(partial))
-        state = {"step": self.step, "data": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
-                 "fingerprint": config_fingerprint(self.cfg)}
-        (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
-        partial.rename(target)
+        with atomic_directory(target, partial=target.parent / f".{target.name}.partial") as partial:
+            self._call_workers("save_checkpoint", str(partial))
+            state = {"step": self.step, "data": self.loader.state_dict(),
+                     "kl_controller": self.kl_controller.state_dict(), "fingerprint": config_fingerprint(self.cfg)}
+            (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
         for old in self.checkpoints()[: -self.cfg.trainer.keep_last or None]:
             shutil.rmtree(old, ignore_errors=True)
         self.log(f"megarl: saved {target}")

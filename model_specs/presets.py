@@ -34,11 +34,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Mistral (no sliding window), tied.
     "tiny-mistral": dict(_TINY, model_type="mistral", vocab_size=256, tie_word_embeddings=True, sliding_window=None),
     # ~300k-parameter Qwen2 shape (2 layers, hidden 128, 4/2 heads): the small RL benchmark size
-    # in ../shared/notes/rl_on_cpu.md (tools/bench_rl.py).
+    # in docs/benchmarks.md (tools/bench_rl.py).
     "bench-qwen2-300k": dict(_TINY, model_type="qwen2", vocab_size=128, tie_word_embeddings=True,
                              hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    # ~20M-parameter Qwen2 shape (the RL benchmark size in ../shared/notes/rl_on_cpu.md).
+    # ~20M-parameter Qwen2 shape (the RL benchmark size in docs/benchmarks.md).
     "small-qwen2-20m": dict(_TINY, model_type="qwen2", vocab_size=4096, tie_word_embeddings=True,
                             hidden_size=512, intermediate_size=1664, num_hidden_layers=6,
                             num_attention_heads=8, num_key_value_heads=4, head_dim=64),

@@ -19,7 +19,7 @@ pair of runs can swing the ratio that much), on:
   the last step (megarl saves once at the end, outside the timed steps);
 * forward + backward over ``--micro-batch`` completions at a time (default: all 128 at once), no
   activation recomputation (TRL's defaults, gradient checkpointing and bf16, are turned off;
-  with them and 8 completions per micro-batch TRL is ~1.6x slower, as in the note's numbers);
+  with them and 8 completions per micro-batch TRL is ~1.6x slower);
 * the same threads: ``OMP_NUM_THREADS=--threads``, both process trees pinned to the same
   ``--threads`` CPUs.
 
@@ -37,7 +37,7 @@ median of its rounds' speedups and their range, and per framework the median ove
 column.
 
 The machine's load average is printed with the table: another busy process makes 2-thread steps
-many times slower (../shared/notes/rl_on_cpu.md); compare numbers only from a quiet machine.
+many times slower (docs/benchmarks.md); compare numbers only from a quiet machine.
 """
 
 from __future__ import annotations

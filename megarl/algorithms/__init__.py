@@ -49,17 +49,24 @@ from megarl.algorithms.policy_loss import (
     vanilla_policy_loss,
 )
 from megarl.algorithms.registry import (
+    ADVANTAGE_INPUTS,
+    POLICY_LOSS_OPTIONS,
+    AdvantageSpec,
+    PolicyLossSpec,
+    advantage_spec,
     get_advantage,
     get_policy_loss,
     list_advantages,
     list_policy_losses,
+    policy_loss_spec,
     register_advantage,
     register_policy_loss,
 )
 
 __all__ = [
     "LOSS_AGG_MODES", "agg_loss", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
-    "get_advantage", "get_policy_loss", "list_advantages", "list_policy_losses",
+    "ADVANTAGE_INPUTS", "POLICY_LOSS_OPTIONS", "AdvantageSpec", "PolicyLossSpec", "advantage_spec",
+    "get_advantage", "get_policy_loss", "list_advantages", "list_policy_losses", "policy_loss_spec",
     "register_advantage", "register_policy_loss",
     "GroupStats", "compute_drgrpo_outcome_advantage", "compute_gae_advantage",
     "compute_grpo_outcome_advantage", "compute_prime_advantage",

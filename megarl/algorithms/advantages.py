@@ -156,7 +156,7 @@ def group_stats(scores: torch.Tensor, index: torch.Tensor | Sequence[Hashable]) 
 # ----------------------------------------------------------------------------- estimators
 
 
-@register_advantage("gae")
+@register_advantage("gae", inputs=("values", "gamma", "lam"), needs_critic=True)
 @torch.no_grad()
 def compute_gae_advantage(
     *,
@@ -195,7 +195,7 @@ def compute_gae_advantage(
     return advantages, returns
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", inputs=("index", "norm_by_std"), needs_groups=True)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     *,
@@ -223,7 +223,7 @@ def compute_grpo_outcome_advantage(
     return out, out
 
 
-@register_advantage("drgrpo")
+@register_advantage("drgrpo", inputs=("index",), needs_groups=True)
 @torch.no_grad()
 def compute_drgrpo_outcome_advantage(
     *,
@@ -240,7 +240,7 @@ def compute_drgrpo_outcome_advantage(
     )
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", inputs=("index",), needs_groups=True)
 @torch.no_grad()
 def compute_rloo_advantage(
     *,
@@ -262,7 +262,7 @@ def compute_rloo_advantage(
     return out, out
 
 
-@register_advantage("reinforce_plus_plus")
+@register_advantage("reinforce_plus_plus", inputs=("gamma",))
 @torch.no_grad()
 def compute_reinforce_plus_plus_advantage(
     *,
@@ -282,7 +282,7 @@ def compute_reinforce_plus_plus_advantage(
     return masked_whiten(returns, m), returns
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", inputs=("index",), needs_groups=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantage(
     *,
@@ -307,7 +307,7 @@ def compute_reinforce_plus_plus_baseline_advantage(
     return masked_whiten(returns, keep), returns
 
 
-@register_advantage("remax")
+@register_advantage("remax", inputs=("baseline_rewards",))
 @torch.no_grad()
 def compute_remax_advantage(
     *,
@@ -344,7 +344,7 @@ def implicit_process_rewards(
         return _valid(beta * (_as_float(prm_logp) - _as_float(ref_logp)), m)
 
 
-@register_advantage("prime")
+@register_advantage("prime", inputs=("index", "process_rewards", "gamma"), needs_groups=True)
 @torch.no_grad()
 def compute_prime_advantage(
     *,

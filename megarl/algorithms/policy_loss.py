@@ -50,7 +50,7 @@ def _approx_kl_metrics(log_ratio: torch.Tensor, m: torch.Tensor) -> dict[str, to
     }
 
 
-@register_policy_loss("ppo")
+@register_policy_loss("ppo", options=("clip_low", "clip_high", "clip_ratio_c"))
 def ppo_policy_loss(
     *,
     logp: torch.Tensor,
@@ -112,7 +112,7 @@ def ppo_policy_loss(
     return loss, metrics
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", options=("clip_low", "clip_high"))
 def gspo_policy_loss(
     *,
     logp: torch.Tensor,

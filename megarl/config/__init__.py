@@ -4,10 +4,12 @@
     config = load_config("configs/quickstart_grpo.yaml", ["rollout.n=8", "actor.optim.lr=1e-5"])
     save_resolved(config, run_dir)        # run_dir/resolved_config.yaml, written atomically
 
-* ``schema``: the dataclasses (``RunConfig`` and one per section) with tiny-CPU-run defaults.
+* ``schema``: the pydantic dataclasses (``RunConfig`` and one per section) with tiny-CPU-run
+  defaults, and each field's own bounds with the fix of its error.
 * ``loader``: ``defaults:`` preset composition (``configs/<group>/<name>.yaml``), dotted
-  ``key=value`` overrides, typed conversion (unknown keys, wrong types), YAML out.
-* ``validate``: ranges, registry names, model/layout/pool/micro-batch consistency, files.
+  ``key=value`` overrides, typed conversion by pydantic (unknown keys, wrong types), YAML out.
+* ``validate``: field bounds, registry names, model/layout/pool/micro-batch consistency, files.
+* ``errors``: ``ConfigError`` and the translation of pydantic's errors into its lines.
 
 Every problem is a ``ConfigError`` (a ValueError) with one line per problem, naming the dotted
 key, the bad value and the fix. Importing this package does not import torch; validation does

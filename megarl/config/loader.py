@@ -20,19 +20,18 @@ dot reads it as a string, a classic learning-rate trap).
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import functools
 import os
 import re
-import tempfile
-import types
-import typing
 from pathlib import Path
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Iterable, Sequence
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import to_jsonable_python
 
-from megarl.config.errors import ConfigError, show
+from megarl.config.errors import BOUND_ERRORS, ConfigError, field_path, problems_of, show
 from megarl.config.schema import RunConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -192,208 +191,49 @@ def compose(
 
 
 # ---------------------------------------------------------------------------------------------
-# Typed conversion: raw tree -> RunConfig, collecting every unknown key and wrong type
+# Typed conversion (pydantic): raw tree -> RunConfig, collecting every unknown key and wrong type
 
-_BAD = object()  # a value that failed conversion (its error is recorded)
-
-
-def _is_optional(tp: Any) -> tuple[bool, Any]:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) != len(typing.get_args(tp)):
-            return True, args[0] if len(args) == 1 else typing.Union[tuple(args)]
-    return False, tp
+_RUN_CONFIG = TypeAdapter(RunConfig)
 
 
-def _describe(tp: Any) -> str:
-    optional, inner = _is_optional(tp)
-    if optional:
-        return f"{_describe(inner)} or null"
-    origin = typing.get_origin(inner)
-    if inner is int:
-        return "an integer"
-    if inner is float:
-        return "a number"
-    if inner is bool:
-        return "true or false"
-    if inner is str:
-        return "a string"
-    if origin is Literal:
-        return "one of " + ", ".join(show(a) for a in typing.get_args(inner))
-    if origin is list:
-        return "a list"
-    if origin is tuple:
-        return f"a list of {len(typing.get_args(inner))} numbers"
-    if origin is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(inner):
-        return "a mapping (a section)"
-    return str(inner)
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return type(value).__name__
-
-
-def _schema_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every dotted key (sections and leaves) of a dataclass tree."""
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        keys.append(key)
-        _, inner = _is_optional(hints[f.name])
-        if dataclasses.is_dataclass(inner):
-            keys.extend(_schema_keys(inner, key + "."))
-    return keys
-
-
-class _Converter:
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-        self.all_keys = _schema_keys(RunConfig)
-
-    def error(self, key: str, value: Any, problem: str, fix: str) -> object:
-        self.errors.append(f"{key}={show(value)}: {problem}; {fix}")
-        return _BAD
-
-    def unknown(self, key: str, name: str, valid: list[str]) -> None:
-        parent = key[: -len(name)].rstrip(".")
-        elsewhere = [k for k in self.all_keys if k.rsplit(".", 1)[-1] == name]
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        if elsewhere:  # the right name in the wrong section
-            hint = f"did you mean {' or '.join(elsewhere)}? (it lives in another section)"
-        elif close:
-            hint = f"did you mean {(parent + '.' if parent else '') + close[0]}?"
-        else:
-            where = f"under {parent}" if parent else "at the top level"
-            hint = f"valid keys {where}: {', '.join(valid)}"
-        self.errors.append(f"{key}: unknown key; {hint}")
-
-    def section(self, cls: type, data: Any, prefix: str) -> Any:
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            return self.error(prefix.rstrip(".") or "<top level>", data, f"expected a mapping (a section), got "
-                              f"{_type_name(data)}", f"write it as a block of {prefix}* keys")
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for raw_name, value in data.items():
-            name = str(raw_name)
-            key = f"{prefix}{name}"
-            if name not in fields:
-                self.unknown(key, name, list(fields))
-                continue
-            default = _field_default(fields[name])
-            converted = self.value(hints[name], value, key, default)
-            if converted is not _BAD:
-                kwargs[name] = converted
-        return cls(**kwargs)
-
-    def value(self, tp: Any, value: Any, key: str, default: Any = None) -> Any:
-        optional, inner = _is_optional(tp)
-        if value is None:
-            if optional:
-                return None
-            if dataclasses.is_dataclass(inner):
-                return self.section(inner, {}, key + ".")
-            return self.error(key, value, f"must not be null (expected {_describe(inner)})",
-                              f"set a value or delete the key (default: {show(default)})")
-        origin = typing.get_origin(inner)
-        fix = f"e.g. the default {show(default)}" if default is not None else f"set {_describe(inner)}"
-        if dataclasses.is_dataclass(inner):
-            return self.section(inner, value, key + ".")
-        if inner is bool:
-            if isinstance(value, bool):
-                return value
-            return self.error(key, value, f"expected true or false, got {_type_name(value)}", "write true or false")
-        if inner is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            hint = "write the number without quotes" if isinstance(value, str) and _numeric(value) else fix
-            return self.error(key, value, f"expected an integer, got {_type_name(value)}", hint)
-        if inner is float:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            hint = "write the number without quotes" if isinstance(value, str) and _numeric(value) else fix
-            return self.error(key, value, f"expected a number, got {_type_name(value)}", hint)
-        if inner is str:
-            if isinstance(value, str):
-                return value
-            return self.error(key, value, f"expected a string, got {_type_name(value)}", "quote it, e.g. \"...\"")
-        if origin is Literal:
-            choices = typing.get_args(inner)
-            if value in choices and type(value) is type(choices[0]):
-                return value
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-            hint = f"did you mean {show(close[0])}?" if close else "pick one of those"
-            return self.error(key, value, f"must be one of {show(list(choices))}", hint)
-        if origin is list:
-            (item_tp,) = typing.get_args(inner)
-            if isinstance(value, str) and item_tp is str:
-                value = [value]  # a single file name for a list of files
-            if not isinstance(value, (list, tuple)):
-                return self.error(key, value, f"expected a list, got {_type_name(value)}", "write [a, b, ...]")
-            items = [self.value(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-            return _BAD if any(v is _BAD for v in items) else items
-        if origin is tuple:
-            item_tps = typing.get_args(inner)
-            if not isinstance(value, (list, tuple)) or len(value) != len(item_tps):
-                return self.error(key, value, f"expected a list of {len(item_tps)} values", fix)
-            items = [self.value(t, v, f"{key}[{i}]") for i, (t, v) in enumerate(zip(item_tps, value))]
-            return _BAD if any(v is _BAD for v in items) else tuple(items)
-        if origin is dict:
-            key_tp, item_tp = typing.get_args(inner)
-            if not isinstance(value, dict):
-                return self.error(key, value, f"expected a mapping, got {_type_name(value)}", "write {name: value, ...}")
-            out = {}
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    self.error(f"{key}.{k}", v, f"the key {show(k)} must be a string", "quote the key")
-                    continue
-                out[k] = self.value(item_tp, v, f"{key}.{k}")
-            return _BAD if any(v is _BAD for v in out.values()) else out
-        raise TypeError(f"config schema type {tp!r} of {key} is not supported")  # a schema bug
-
-
-def _field_default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return None
-
-
-def _numeric(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
+def _without(tree: dict, path: tuple[str, ...]) -> dict:
+    head, *rest = path
+    out = dict(tree)
+    if rest:
+        out[head] = _without(out[head], tuple(rest))
+    else:
+        out.pop(head, None)
+    return out
 
 
 def from_dict(tree: dict) -> RunConfig:
-    """A RunConfig from a raw tree; ConfigError listing every unknown key and wrong type."""
-    converter = _Converter()
-    config = converter.section(RunConfig, tree, "")
-    if converter.errors:
-        raise ConfigError(converter.errors)
+    """A RunConfig from a raw tree; ConfigError listing every unknown key and wrong type.
+
+    A value of the right type that breaks its field's declared bounds is kept as given:
+    ``validate_config`` reports it, together with the cross-field checks of the same config.
+    """
+    try:
+        return _RUN_CONFIG.validate_python(tree)
+    except ValidationError as exc:
+        errors = exc.errors()
+    structural = [e for e in errors if e["type"] not in BOUND_ERRORS]
+    if structural:
+        raise ConfigError(problems_of(RunConfig, structural, tree))
+    # Only bounds broken: build the config with those fields at their defaults, then put the
+    # user's values back (converted to the field's type, or as given where its items break bounds).
+    paths = {field_path(RunConfig, tuple(e["loc"])) for e in errors}
+    trimmed = tree
+    for path in paths:
+        trimmed = _without(trimmed, path)
+    config = _RUN_CONFIG.validate_python(trimmed)
+    for path in paths:
+        section = functools.reduce(getattr, path[:-1], config)
+        raw = functools.reduce(lambda node, key: node[key], path, tree)
+        try:
+            raw = TypeAdapter(type(section).__pydantic_fields__[path[-1]].annotation).validate_python(raw)
+        except ValidationError:
+            pass
+        setattr(section, path[-1], raw)
     return config
 
 
@@ -403,13 +243,7 @@ def from_dict(tree: dict) -> RunConfig:
 
 def to_dict(config: Any) -> Any:
     """A plain tree (dicts, lists, scalars) of a config or any section of one."""
-    if dataclasses.is_dataclass(config):
-        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    if isinstance(config, (list, tuple)):
-        return [to_dict(v) for v in config]
-    if isinstance(config, dict):
-        return {k: to_dict(v) for k, v in config.items()}
-    return config
+    return to_jsonable_python(config)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -431,23 +265,14 @@ def to_yaml(config: RunConfig) -> str:
 
 def save_resolved(config: RunConfig, run_dir: str | os.PathLike) -> Path:
     """Write ``run_dir/resolved_config.yaml`` atomically (temp file in the same dir, fsync, rename)."""
+    from parallel.checkpoint.atomic import atomic_file
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_NAME
     text = "# megarl resolved run config (every key); load with megarl.config.load_config\n" + to_yaml(config)
-    fd, tmp = tempfile.mkstemp(prefix=f".{RESOLVED_NAME}.", suffix=".tmp", dir=run_dir)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_file(target) as tmp:
+        tmp.write_text(text)
     return target
 
 

@@ -6,6 +6,13 @@ nested section), so the whole tree round-trips through YAML. Names a registry de
 (advantage estimator, policy loss, loss aggregation mode, KL estimator, reward function) are
 strings here and are checked against their registries by ``megarl.config.validate``.
 
+The sections are pydantic dataclasses (still ``dataclasses``: ``fields``/``asdict``/``replace``
+work). Pydantic converts YAML values into them, strictly enough to refuse the classic mistakes
+(``"1e-6"`` for a number, ``1`` for a boolean, an unknown key): see ``Int``/``Float``/``Bool``.
+Each field's own bounds are declared on the field with ``bounded(...)``, together with the
+problem and fix of its one-line error (``megarl.config.errors.problems_of``); checks that involve
+several fields live in ``megarl.config.validate``.
+
 Roles and resources: the cluster is ``nodes x ranks_per_node`` ranks (GPUs, or gloo processes
 on CPU), cut into named resource pools (``cluster.pools``; none = one pool ``"global"`` with
 every rank). The actor runs on ``actor.pool``; the reference and critic default to the actor's
@@ -16,14 +23,64 @@ hybrid engine) or run on their own (``placement: separate`` with ``rollout.pool`
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import field
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict, StrictBool, model_validator
+from pydantic.dataclasses import dataclass
+from pydantic_core import PydanticCustomError
 
 DEFAULT_POOL = "global"
 
 
+def _integral_float_as_int(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _one_item_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value  # a single file name for a list of files
+
+
+# The value types of config fields: no strings for numbers, no 0/1 for booleans; an int is a
+# fine float and an integral float (``1e3``) a fine int.
+Int = Annotated[int, Strict(), BeforeValidator(_integral_float_as_int)]
+Float = Annotated[float, Strict()]
+Bool = StrictBool
+
+
+def bounded(default: Any = ..., *, problem: str | None = None, fix: str, **constraints: Any) -> Any:
+    """A field's default with its own bounds (pydantic's ``gt``/``ge``/``lt``/``le``/``min_length``/
+    ``pattern``/``default_factory``) and the ``problem; fix`` of the error when a value breaks them
+    (``problem`` defaults to the bounds, e.g. "must be >= 1")."""
+    extra = {"fix": fix} if problem is None else {"problem": problem, "fix": fix}
+    if default is not ...:
+        constraints["default"] = default
+    return Field(json_schema_extra=extra, **constraints)
+
+
+def _off_or_positive(value: int) -> int:
+    if value != -1 and value < 1:
+        raise PydanticCustomError("out_of_range", "must be -1 (off) or >= 1")
+    return value
+
+
+@dataclass(config=ConfigDict(extra="forbid"))
+class _Section:
+    """Base of the sections: unknown keys are refused; ``section: null`` (or an empty YAML block)
+    is the section's default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_section_is_its_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.__pydantic_fields__
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and dataclasses.is_dataclass(fields[k].annotation))}
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     """The policy model."""
 
     # A local HF model directory (with config.json), or a preset name from
@@ -36,15 +93,15 @@ class ModelConfig:
 
 
 @dataclass
-class LayoutConfig:
+class LayoutConfig(_Section):
     """A Megatron layout (``parallel.layout.MegatronLayout``); DP is what the pool leaves over."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); null = off
-    cp: int = 1
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    tp: Int = 1
+    pp: Int = 1
+    vpp: Int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); null = off
+    cp: Int = 1
+    sequence_parallel: Bool = False
+    use_distributed_optimizer: Bool = False
 
     def __str__(self) -> str:
         """Short form for messages and logs, e.g. ``tp=2 pp=2 vpp=2 cp=1 sp``."""
@@ -59,18 +116,23 @@ class LayoutConfig:
         return MegatronLayout(**dataclasses.asdict(self))
 
 
+_Beta = Annotated[Float, Field(ge=0, lt=1)]
+
+
 @dataclass
-class OptimSettings:
+class OptimSettings(_Section):
     """Adam with gradient clipping and a learning-rate schedule, for one trainable model."""
 
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0  # max global grad norm; 0 = no clipping
-    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0
+    lr: Float = bounded(1e-6, gt=0, problem="the learning rate must be > 0", fix="set a positive value such as 1e-6")
+    betas: tuple[_Beta, _Beta] = bounded((0.9, 0.999), problem="Adam betas must be in [0, 1)",
+                                          fix="use e.g. [0.9, 0.999]")
+    eps: Float = bounded(1e-8, gt=0, fix="use e.g. 1e-8")
+    weight_decay: Float = bounded(0.01, ge=0, fix="use 0.0 or e.g. 0.01")
+    # max global grad norm
+    clip_grad: Float = bounded(1.0, ge=0, problem="must be >= 0 (0 turns clipping off)", fix="use e.g. 1.0")
+    lr_warmup_steps: Int = bounded(0, ge=0, fix="use 0 for none")  # optimizer steps of linear warm-up from 0
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, towards min_lr
-    min_lr: float = 0.0
+    min_lr: Float = 0.0  # in [0, lr] (two fields: validate)
 
     def to_optim_config(self):
         """The ``megarl.training.OptimConfig`` of this section (imports torch)."""
@@ -83,17 +145,17 @@ class OptimSettings:
 
 
 @dataclass
-class KLLossConfig:
+class KLLossConfig(_Section):
     """KL to the reference as a loss term (GRPO): ``loss += coef * agg(kl_t)``."""
 
-    enabled: bool = False
-    coef: float = 0.001
+    enabled: Bool = False
+    coef: Float = bounded(0.001, ge=0, fix="use e.g. 0.001")
     estimator: str = "k3"  # megarl.algorithms.kl.KL_ESTIMATORS
-    clamp: float | None = 10.0  # bound on |log ratio| before estimating; null = none
+    clamp: Float | None = bounded(10.0, gt=0, fix="use 10.0 or null")  # bound on |log ratio| before estimating; null = none
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(_Section):
     """The trained policy: where it runs, how it is split and optimised, and its loss."""
 
     pool: str = DEFAULT_POOL
@@ -101,189 +163,212 @@ class ActorConfig:
     optim: OptimSettings = field(default_factory=OptimSettings)
     # Samples per micro-batch; ignored when max_tokens_per_micro_batch is set (token-budget
     # micro-batches, balanced over data-parallel ranks).
-    micro_batch_size: int = 1
-    max_tokens_per_micro_batch: int | None = None
+    micro_batch_size: Int = bounded(1, ge=1, fix="use e.g. 1")
+    max_tokens_per_micro_batch: Int | None = None  # >= a full sequence: validate
     # Pack each micro-batch's sequences into one row (thd, no padding between them) for every
     # Megatron model of the run (actor, reference, critic); false = right-padded rows.
-    sequence_packing: bool = False
+    sequence_packing: Bool = False
     # Compute each prompt once for all its rollout.n samples, for every Megatron model of the run:
     # one row per prompt holding the prompt and each sample's response as a branch that attends
     # to the prompt and itself (exact: parallel/modules/shared_prefix.py). Fewer tokens through the model
     # (the prompt x (n-1) per prompt) and fewer attention scores than a row per sample. null (the
     # default) = on whenever rollout.n > 1 and nothing rules it out: sequence_packing and context
     # parallelism (any role's) are other row layouts; true there is an error.
-    shared_prompts: bool | None = None
+    shared_prompts: Bool | None = None
     # Prompts per optimizer step (each with rollout.n samples); null = data.batch_size (one
     # optimizer step per epoch over the batch).
-    mini_batch_size: int | None = None
-    ppo_epochs: int = 1
+    mini_batch_size: Int | None = bounded(None, ge=1, fix="use null for the whole batch")  # divides data.batch_size
+    ppo_epochs: Int = bounded(1, ge=1, fix="use 1")
     policy_loss: str = "ppo"  # megarl.algorithms registry
     loss_agg_mode: str = "token-mean"  # megarl.algorithms.aggregation.LOSS_AGG_MODES
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float | None = None  # null = clip_ratio_low; > low is DAPO's clip-higher
-    clip_ratio_c: float | None = None  # dual-clip bound (> 1, typically 3); ppo only; null = off
-    entropy_coef: float = 0.0
+    clip_ratio_low: Float = bounded(0.2, ge=0, lt=1, fix="use 0.2 (PPO) or 3e-4 (GSPO)")
+    # null = clip_ratio_low; > low is DAPO's clip-higher
+    clip_ratio_high: Float | None = bounded(None, ge=0, fix="use null (= clip_ratio_low) or e.g. 0.28 (DAPO clip-higher)")
+    # dual-clip bound (typically 3); ppo only (validate); null = off
+    clip_ratio_c: Float | None = bounded(None, gt=1, problem="the dual-clip bound must be > 1",
+                                         fix="use 3.0, or null to turn dual-clip off")
+    entropy_coef: Float = bounded(0.0, ge=0, fix="use 0.0 or e.g. 0.001")
     kl_loss: KLLossConfig = field(default_factory=KLLossConfig)
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(_Section):
     """The value model (PPO with GAE); same shape as the actor's training settings."""
 
-    enabled: bool = False
+    enabled: Bool = False
     model_path: str | None = None  # null = initialised from model.path
     pool: str | None = None  # null = actor.pool
     layout: LayoutConfig | None = None  # null = actor.layout
     optim: OptimSettings = field(default_factory=lambda: OptimSettings(lr=1e-5))
-    micro_batch_size: int = 1
-    max_tokens_per_micro_batch: int | None = None
-    mini_batch_size: int | None = None
-    ppo_epochs: int = 1
-    value_clip: float | None = 0.5  # PPO value clipping range; null = unclipped
+    micro_batch_size: Int = bounded(1, ge=1, fix="use e.g. 1")
+    max_tokens_per_micro_batch: Int | None = None
+    mini_batch_size: Int | None = bounded(None, ge=1, fix="use null for the whole batch")
+    ppo_epochs: Int = bounded(1, ge=1, fix="use 1")
+    # PPO value clipping range; null = unclipped
+    value_clip: Float | None = bounded(0.5, ge=0, fix="use e.g. 0.5, or null for an unclipped value loss")
     loss_agg_mode: str = "token-mean"
 
 
 @dataclass
-class RefConfig:
+class RefConfig(_Section):
     """The frozen reference policy (needed by a KL loss or a KL reward penalty)."""
 
-    enabled: bool = False
+    enabled: Bool = False
     pool: str | None = None  # null = actor.pool
     layout: LayoutConfig | None = None  # null = actor.layout
-    micro_batch_size: int = 1  # forward-only micro-batches
+    micro_batch_size: Int = bounded(1, ge=1, fix="use e.g. 1")  # forward-only micro-batches
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(_Section):
     """A learned reward model: an HF ``*ForSequenceClassification`` checkpoint with one label
     (``score.weight``), run frozen by Megatron workers; a sample's score is its output at the last
     response token. When enabled it replaces the reward functions."""
 
-    enabled: bool = False
+    enabled: Bool = False
     model_path: str | None = None  # required when enabled; same tokenizer (vocabulary) as the policy
     pool: str | None = None  # null = actor.pool
     layout: LayoutConfig | None = None  # null = actor.layout
-    micro_batch_size: int = 1  # forward-only micro-batches
+    micro_batch_size: Int = bounded(1, ge=1, fix="use e.g. 1")  # forward-only micro-batches
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(_Section):
     """Generation: the engine, its tensor parallelism and placement, and sampling parameters."""
 
     engine: Literal["sglang"] = "sglang"
     placement: Literal["colocated", "separate"] = "colocated"
     pool: str | None = None  # the rollout's own pool when placement is separate
-    tp: int = 1
-    n: int = 4  # samples per prompt (the group size of group-based estimators)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = off
-    max_new_tokens: int = 32
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False  # true: every response is max_new_tokens long (benchmarks)
-    mem_fraction_static: float = 0.5  # SGLang's static memory fraction (weights + KV cache)
+    tp: Int = bounded(1, ge=1, fix="use 1 or a divisor of the model's heads")
+    # samples per prompt (the group size of group-based estimators)
+    n: Int = bounded(4, ge=1, problem="samples per prompt must be >= 1", fix="use e.g. 8 for GRPO, 1 for PPO")
+    temperature: Float = bounded(1.0, ge=0, problem="must be >= 0 (0 = greedy)", fix="use e.g. 1.0")
+    top_p: Float = bounded(1.0, gt=0, le=1, fix="use 1.0 to turn it off")
+    top_k: Annotated[Int, AfterValidator(_off_or_positive)] = bounded(-1, problem="must be -1 (off) or >= 1", fix="use -1")
+    max_new_tokens: Int = bounded(32, ge=1, fix="use e.g. 256")
+    stop_token_ids: list[Int] = field(default_factory=list)
+    ignore_eos: Bool = False  # true: every response is max_new_tokens long (benchmarks)
+    # SGLang's static memory fraction (weights + KV cache)
+    mem_fraction_static: Float = bounded(0.5, gt=0, lt=1, fix="use e.g. 0.5 when colocated, 0.85 on a separate pool")
 
 
 @dataclass
-class KLPenaltyConfig:
+class KLPenaltyConfig(_Section):
     """KL to the reference as a per-token reward penalty (PPO-RLHF): ``r_t -= beta * kl_t``."""
 
-    enabled: bool = False
+    enabled: Bool = False
     estimator: str = "k1"
-    coef: float = 0.001  # beta (the initial beta with the adaptive controller)
+    coef: Float = bounded(0.001, ge=0, fix="use e.g. 0.001")  # beta (the initial beta with the adaptive controller)
     controller: Literal["fixed", "adaptive"] = "fixed"
-    target: float = 0.1  # adaptive: target KL per token
-    horizon: int = 10000  # adaptive: samples over which beta moves by at most 20%
+    # adaptive: target KL per token
+    target: Float = bounded(0.1, gt=0, problem="the target KL must be > 0", fix="use e.g. 0.1")
+    # adaptive: samples over which beta moves by at most 20%
+    horizon: Int = bounded(10000, ge=1, fix="use e.g. 10000")
 
 
 @dataclass
-class DynamicSamplingConfig:
+class DynamicSamplingConfig(_Section):
     """DAPO: drop prompts whose samples all score the same; regenerate until the batch is full."""
 
-    enabled: bool = False
-    max_rounds: int = 10  # generation rounds per step before giving up filling the batch
+    enabled: Bool = False
+    # generation rounds per step before giving up filling the batch
+    max_rounds: Int = bounded(10, ge=1, fix="use e.g. 10")
 
 
 @dataclass
-class OverlongPenaltyConfig:
+class OverlongPenaltyConfig(_Section):
     """DAPO's soft overlong punishment, falling from 0 to -penalty_factor over the buffer."""
 
-    enabled: bool = False
-    buffer_len: int | None = None  # null = 20% of rollout.max_new_tokens (DAPO: 4096 of 20480)
-    penalty_factor: float = 1.0
+    enabled: Bool = False
+    # null = 20% of rollout.max_new_tokens (DAPO: 4096 of 20480); in [1, rollout.max_new_tokens] (validate)
+    buffer_len: Int | None = None
+    penalty_factor: Float = bounded(1.0, ge=0, fix="use 1.0")
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(_Section):
     """How rewards become advantages."""
 
     advantage: str = "grpo"  # megarl.algorithms registry
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std: bool = True  # GRPO's std division (Dr.GRPO turns it off)
+    gamma: Float = bounded(1.0, ge=0, le=1, fix="use 1.0 for LLM RL")
+    lam: Float = bounded(1.0, ge=0, le=1, fix="use 0.95 (PPO) or 1.0")
+    norm_adv_by_std: Bool = True  # GRPO's std division (Dr.GRPO turns it off)
     kl_penalty: KLPenaltyConfig = field(default_factory=KLPenaltyConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong_penalty: OverlongPenaltyConfig = field(default_factory=OverlongPenaltyConfig)
 
 
+_PromptFiles = Annotated[list[Annotated[str, Field(pattern=r"\.(parquet|jsonl)$")]], BeforeValidator(_one_item_list)]
+
+
+def _prompt_files() -> Any:
+    return bounded(default_factory=list, problem="prompt files must be .parquet or .jsonl",
+                   fix="convert it with tools/prepare_data.py")
+
+
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     """Prompt files and how rows become prompts (``megarl.data.PromptDataset``)."""
 
-    train_files: list[str] = field(default_factory=list)  # .parquet / .jsonl
-    val_files: list[str] = field(default_factory=list)
-    prompt_key: str = "prompt"
+    train_files: _PromptFiles = _prompt_files()  # at least one for a run: validate
+    val_files: _PromptFiles = _prompt_files()
+    prompt_key: str = bounded("prompt", min_length=1, problem="must not be empty", fix="use \"prompt\"")
     ground_truth_key: str | None = "reward_model.ground_truth"
     data_source_key: str = "data_source"
     default_data_source: str | None = None
     extra_info_key: str | None = "extra_info"
-    batch_size: int = 4  # prompts per RL step
-    max_prompt_length: int = 64  # longer prompts are dropped
-    shuffle: bool = True
-    seed: int = 0
+    batch_size: Int = bounded(4, ge=1, problem="prompts per step must be >= 1", fix="use e.g. 8")  # prompts per RL step
+    max_prompt_length: Int = bounded(64, ge=1, fix="use e.g. 512")  # longer prompts are dropped
+    shuffle: Bool = True
+    seed: Int = 0
     chat_template: str | None = None  # replaces the tokenizer's own
-    prompt_template: str | None = None  # str.format template with {prompt}, instead of a chat template
+    # str.format template with {prompt}, instead of a chat template
+    prompt_template: str | None = bounded(None, pattern=r"\{prompt\}", problem="must contain the {prompt} placeholder",
+                                          fix="write e.g. \"Q: {prompt}\\nA:\"")
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(_Section):
     """Which function scores each data source (``megarl.rewards``)."""
 
     # data source -> a registered reward name or "package.module:function" / "file.py:function";
     # data sources not listed use the reward registered for them, else `default`.
     functions: dict[str, str] = field(default_factory=dict)
     default: str | None = None
-    timeout_s: float = 10.0
+    timeout_s: Float = bounded(10.0, gt=0, problem="must be > 0 seconds", fix="use e.g. 10")
     backend: str = "auto"  # megarl.rewards.BACKENDS
-    num_workers: int = 2
+    num_workers: Int = bounded(2, ge=1, fix="use e.g. 2")
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(_Section):
     """The run: length, checkpoints, resume, logging."""
 
-    total_steps: int = 20
-    save_every: int = 0  # RL steps between checkpoints; 0 = only at the end
-    keep_last: int = 2  # checkpoints kept
-    resume: str = "auto"  # auto (latest in output_dir, if any) | none | a checkpoint path
-    output_dir: str = "runs/quickstart"
-    seed: int = 1234
+    total_steps: Int = bounded(20, ge=1, fix="use e.g. 100")
+    # RL steps between checkpoints; 0 = only at the end
+    save_every: Int = bounded(0, ge=0, problem="must be >= 0 (0 = only at the end)", fix="use e.g. 50")
+    keep_last: Int = bounded(2, ge=1, fix="use e.g. 2")  # checkpoints kept
+    # auto (latest in output_dir, if any) | none | a checkpoint path
+    resume: str = bounded("auto", min_length=1, problem="must not be empty", fix="use auto, none or a checkpoint path")
+    output_dir: str = bounded("runs/quickstart", min_length=1, problem="must not be empty", fix="use e.g. runs/my_run")
+    seed: Int = bounded(1234, ge=0, fix="use e.g. 1234")
     loggers: list[Literal["console", "tensorboard"]] = field(default_factory=lambda: ["console", "tensorboard"])
-    log_every: int = 1
+    log_every: Int = bounded(1, ge=1, fix="use 1")
     # Every N steps, write that step's samples (token ids, text, score) to rollouts/step_<k>.jsonl; 0 = never.
-    save_rollouts_every: int = 0
+    save_rollouts_every: Int = bounded(0, ge=0, problem="must be >= 0 (0 = never)", fix="use 0, or e.g. 10")
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(_Section):
     """Ranks: ``nodes x gpus_per_node`` GPUs, or ``nodes x cpu_ranks_per_node`` gloo processes."""
 
-    nodes: int = 1
-    gpus_per_node: int = 0  # > 0: a GPU cluster, one rank per GPU; 0: CPU ranks
-    cpu_ranks_per_node: int = 1  # ranks per node when gpus_per_node is 0
+    nodes: Int = bounded(1, ge=1, fix="use 1")
+    # > 0: a GPU cluster, one rank per GPU; 0: CPU ranks
+    gpus_per_node: Int = bounded(0, ge=0, problem="must be >= 0 (0 = CPU ranks)", fix="use 8 on a GPU node or 0 on CPU")
+    cpu_ranks_per_node: Int = 1  # ranks per node when gpus_per_node is 0 (>= 1 then: validate)
     # Resource pools: name -> ranks (a pool larger than a node spans whole nodes). Empty = one
     # pool "global" with every rank.
-    pools: dict[str, int] = field(default_factory=dict)
+    pools: dict[str, Int] = field(default_factory=dict)
 
     @property
     def device(self) -> str:
@@ -309,11 +394,11 @@ ROLES = MEGATRON_ROLES + ("rollout",)
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_Section):
     """One RL run, top to bottom. ``megarl.config.load_config`` builds and validates one."""
 
     # Modules imported before validation (they may register advantages, policy losses, rewards).
-    imports: list[str] = field(default_factory=list)
+    imports: Annotated[list[str], BeforeValidator(_one_item_list)] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)

@@ -3,7 +3,8 @@
 Each problem is one self-contained line ``<dotted.key>=<value>: <what is wrong>; <the fix>``;
 all problems are collected and raised together as one ``ConfigError``. What is checked:
 
-* ranges (learning rate > 0, rollout.n >= 1, temperature >= 0, clip ratios, ...);
+* each field's own bounds, declared next to it in ``megarl.config.schema`` (learning rate > 0,
+  rollout.n >= 1, temperature >= 0, clip ratios, ...), and bounds between fields (min_lr <= lr, ...);
 * registry names (advantage estimator, policy loss, loss aggregation mode, KL estimators,
   reward functions, reward backend), listing the valid names;
 * the model: a preset name or a local directory with config.json, of a supported family;
@@ -27,13 +28,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megarl.config.errors import ConfigError, show
+from megarl.config.errors import ConfigError, field_problems, show
 from megarl.config.schema import MEGATRON_ROLES, LayoutConfig, RunConfig
 
-# Built-in estimators whose baseline comes from the other samples of the same prompt.
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline", "prime")
-# Built-in estimators that need a value model.
-CRITIC_ESTIMATORS = ("gae",)
 DATA_SUFFIXES = (".parquet", ".jsonl")
 # Keys whose bad values make the parallel-size cross-checks meaningless.
 _SIZE_KEYS = ("rollout.n=", "rollout.tp=", "data.batch_size=", "cluster.") + tuple(
@@ -85,26 +82,16 @@ def model_hf_config(path: str) -> dict:
     )
 
 
-def _range_checks(cfg: RunConfig, p: _Problems) -> None:
+def _bound_checks(cfg: RunConfig, p: _Problems) -> None:
+    """Bounds that involve more than one field (each field's own bounds are declared next to it
+    in ``megarl.config.schema`` and reported by ``field_problems``)."""
     for role in ("actor", "critic"):
         section = getattr(cfg, role)
         if role == "critic" and not section.enabled:
             continue
         o = section.optim
-        k = f"{role}.optim"
-        p.check(o.lr > 0, f"{k}.lr", o.lr, "the learning rate must be > 0", "set a positive value such as 1e-6")
-        for i, beta in enumerate(o.betas):
-            p.check(0 <= beta < 1, f"{k}.betas[{i}]", beta, "Adam betas must be in [0, 1)",
-                    "use e.g. [0.9, 0.999]")
-        p.check(o.eps > 0, f"{k}.eps", o.eps, "must be > 0", "use e.g. 1e-8")
-        p.check(o.weight_decay >= 0, f"{k}.weight_decay", o.weight_decay, "must be >= 0", "use 0.0 or e.g. 0.01")
-        p.check(o.clip_grad >= 0, f"{k}.clip_grad", o.clip_grad, "must be >= 0 (0 turns clipping off)",
-                "use e.g. 1.0")
-        p.check(o.lr_warmup_steps >= 0, f"{k}.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0", "use 0 for none")
-        p.check(0 <= o.min_lr <= max(o.lr, 0), f"{k}.min_lr", o.min_lr, f"must be in [0, lr={o.lr}]",
+        p.check(0 <= o.min_lr <= max(o.lr, 0), f"{role}.optim.min_lr", o.min_lr, f"must be in [0, lr={o.lr}]",
                 "use 0.0 or a fraction of lr")
-        p.check(section.micro_batch_size >= 1, f"{role}.micro_batch_size", section.micro_batch_size,
-                "must be >= 1", "use e.g. 1")
         budget = section.max_tokens_per_micro_batch
         if budget is not None:
             need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
@@ -112,97 +99,25 @@ def _range_checks(cfg: RunConfig, p: _Problems) -> None:
                     f"a full sequence (data.max_prompt_length + rollout.max_new_tokens = {need} tokens) must fit "
                     "in one micro-batch", f"set it to at least {need}, or null to use micro_batch_size")
         mini = section.mini_batch_size
-        if mini is not None and p.check(mini >= 1, f"{role}.mini_batch_size", mini, "must be >= 1",
-                                        "use null for the whole batch"):
+        if mini is not None and mini >= 1:
             p.check(cfg.data.batch_size % mini == 0, f"{role}.mini_batch_size", mini,
                     f"must divide data.batch_size={cfg.data.batch_size} (optimizer steps per RL step = "
                     "batch_size / mini_batch_size)",
                     f"pick one of {_divisors(cfg.data.batch_size)} or null")
-        p.check(section.ppo_epochs >= 1, f"{role}.ppo_epochs", section.ppo_epochs, "must be >= 1", "use 1")
 
     a = cfg.actor
-    p.check(0 <= a.clip_ratio_low < 1, "actor.clip_ratio_low", a.clip_ratio_low, "must be in [0, 1)",
-            "use 0.2 (PPO) or 3e-4 (GSPO)")
-    if a.clip_ratio_high is not None:
-        p.check(a.clip_ratio_high >= 0, "actor.clip_ratio_high", a.clip_ratio_high, "must be >= 0",
-                "use null (= clip_ratio_low) or e.g. 0.28 (DAPO clip-higher)")
     if a.clip_ratio_c is not None:
-        p.check(a.clip_ratio_c > 1, "actor.clip_ratio_c", a.clip_ratio_c, "the dual-clip bound must be > 1",
-                "use 3.0, or null to turn dual-clip off")
         p.check(a.policy_loss == "ppo", "actor.clip_ratio_c", a.clip_ratio_c,
                 f"dual-clip only applies to actor.policy_loss='ppo' (got {a.policy_loss!r})", "set it to null")
-    p.check(a.entropy_coef >= 0, "actor.entropy_coef", a.entropy_coef, "must be >= 0", "use 0.0 or e.g. 0.001")
-    p.check(a.kl_loss.coef >= 0, "actor.kl_loss.coef", a.kl_loss.coef, "must be >= 0", "use e.g. 0.001")
-    if a.kl_loss.clamp is not None:
-        p.check(a.kl_loss.clamp > 0, "actor.kl_loss.clamp", a.kl_loss.clamp, "must be > 0", "use 10.0 or null")
-    if cfg.critic.enabled and cfg.critic.value_clip is not None:
-        p.check(cfg.critic.value_clip >= 0, "critic.value_clip", cfg.critic.value_clip, "must be >= 0",
-                "use e.g. 0.5, or null for an unclipped value loss")
-    for role in ("ref", "reward_model"):
-        mbs = getattr(cfg, role).micro_batch_size
-        p.check(mbs >= 1, f"{role}.micro_batch_size", mbs, "must be >= 1", "use e.g. 1")
-
     r = cfg.rollout
-    p.check(r.tp >= 1, "rollout.tp", r.tp, "must be >= 1", "use 1 or a divisor of the model's heads")
-    p.check(r.n >= 1, "rollout.n", r.n, "samples per prompt must be >= 1", "use e.g. 8 for GRPO, 1 for PPO")
-    p.check(r.temperature >= 0, "rollout.temperature", r.temperature, "must be >= 0 (0 = greedy)", "use e.g. 1.0")
-    p.check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]", "use 1.0 to turn it off")
-    p.check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "must be -1 (off) or >= 1", "use -1")
-    p.check(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "must be >= 1", "use e.g. 256")
-    p.check(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", r.mem_fraction_static,
-            "must be in (0, 1)", "use e.g. 0.5 when colocated, 0.85 on a separate pool")
-
-    al = cfg.algorithm
-    p.check(0 <= al.gamma <= 1, "algorithm.gamma", al.gamma, "must be in [0, 1]", "use 1.0 for LLM RL")
-    p.check(0 <= al.lam <= 1, "algorithm.lam", al.lam, "must be in [0, 1]", "use 0.95 (PPO) or 1.0")
-    kp = al.kl_penalty
-    p.check(kp.coef >= 0, "algorithm.kl_penalty.coef", kp.coef, "must be >= 0", "use e.g. 0.001")
-    if kp.enabled and kp.controller == "adaptive":
-        p.check(kp.target > 0, "algorithm.kl_penalty.target", kp.target, "the target KL must be > 0", "use e.g. 0.1")
-        p.check(kp.horizon >= 1, "algorithm.kl_penalty.horizon", kp.horizon, "must be >= 1", "use e.g. 10000")
-    p.check(al.dynamic_sampling.max_rounds >= 1, "algorithm.dynamic_sampling.max_rounds",
-            al.dynamic_sampling.max_rounds, "must be >= 1", "use e.g. 10")
-    op = al.overlong_penalty
-    if op.buffer_len is not None:
-        p.check(1 <= op.buffer_len <= r.max_new_tokens, "algorithm.overlong_penalty.buffer_len", op.buffer_len,
+    buffer_len = cfg.algorithm.overlong_penalty.buffer_len
+    if buffer_len is not None:
+        p.check(1 <= buffer_len <= r.max_new_tokens, "algorithm.overlong_penalty.buffer_len", buffer_len,
                 f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}]",
                 "use null (20% of max_new_tokens) or a smaller value")
-    p.check(op.penalty_factor >= 0, "algorithm.overlong_penalty.penalty_factor", op.penalty_factor,
-            "must be >= 0", "use 1.0")
-
-    d = cfg.data
-    p.check(d.batch_size >= 1, "data.batch_size", d.batch_size, "prompts per step must be >= 1", "use e.g. 8")
-    p.check(d.max_prompt_length >= 1, "data.max_prompt_length", d.max_prompt_length, "must be >= 1", "use e.g. 512")
-    p.check(bool(d.prompt_key), "data.prompt_key", d.prompt_key, "must not be empty", "use \"prompt\"")
-    if d.prompt_template is not None:
-        p.check("{prompt}" in d.prompt_template, "data.prompt_template", d.prompt_template,
-                "must contain the {prompt} placeholder", "write e.g. \"Q: {prompt}\\nA:\"")
-    for k in ("train_files", "val_files"):
-        for i, f in enumerate(getattr(d, k)):
-            p.check(f.endswith(DATA_SUFFIXES), f"data.{k}[{i}]", f, "prompt files must be .parquet or .jsonl",
-                    "convert it with tools/prepare_data.py")
-    p.check(bool(d.train_files), "data.train_files", d.train_files, "no training prompt files",
+    p.check(bool(cfg.data.train_files), "data.train_files", cfg.data.train_files, "no training prompt files",
             "set data.train_files=[path.parquet] (tools/prepare_data.py writes them)")
-
-    rw = cfg.reward
-    p.check(rw.timeout_s > 0, "reward.timeout_s", rw.timeout_s, "must be > 0 seconds", "use e.g. 10")
-    p.check(rw.num_workers >= 1, "reward.num_workers", rw.num_workers, "must be >= 1", "use e.g. 2")
-
-    t = cfg.trainer
-    p.check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "must be >= 1", "use e.g. 100")
-    p.check(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = only at the end)", "use e.g. 50")
-    p.check(t.keep_last >= 1, "trainer.keep_last", t.keep_last, "must be >= 1", "use e.g. 2")
-    p.check(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1", "use 1")
-    p.check(t.save_rollouts_every >= 0, "trainer.save_rollouts_every", t.save_rollouts_every,
-            "must be >= 0 (0 = never)", "use 0, or e.g. 10")
-    p.check(t.seed >= 0, "trainer.seed", t.seed, "must be >= 0", "use e.g. 1234")
-    p.check(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must not be empty", "use e.g. runs/my_run")
-    p.check(bool(t.resume), "trainer.resume", t.resume, "must not be empty", "use auto, none or a checkpoint path")
-
     c = cfg.cluster
-    p.check(c.nodes >= 1, "cluster.nodes", c.nodes, "must be >= 1", "use 1")
-    p.check(c.gpus_per_node >= 0, "cluster.gpus_per_node", c.gpus_per_node, "must be >= 0 (0 = CPU ranks)",
-            "use 8 on a GPU node or 0 on CPU")
     if c.gpus_per_node == 0:
         p.check(c.cpu_ranks_per_node >= 1, "cluster.cpu_ranks_per_node", c.cpu_ranks_per_node,
                 "must be >= 1 on a CPU cluster", "use e.g. 2")
@@ -359,7 +274,7 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
                      reward_hf: dict | None) -> None:
     c = cfg.cluster
     if c.nodes < 1 or c.ranks_per_node < 1:
-        return  # reported by the range checks
+        return  # reported by the bound checks
     sizes = c.pool_sizes()
     ok_pools = True
     for name, size in c.pools.items():
@@ -454,11 +369,16 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
 
 
 def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None) -> None:
+    from megarl.algorithms import advantage_spec, list_advantages
+
     adv = cfg.algorithm.advantage
-    if adv in CRITIC_ESTIMATORS and not cfg.critic.enabled:
+    # what the estimator declared at registration (an unknown name is a registry problem)
+    spec = advantage_spec(adv) if adv in list_advantages() else None
+    if spec is not None and spec.needs_critic and not cfg.critic.enabled:
+        critic_free = [name for name in list_advantages() if not advantage_spec(name).needs_critic]
         p.add("critic.enabled", False, f"algorithm.advantage={adv!r} needs a value model",
-              "set critic.enabled=true, or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
-    if adv in GROUP_ESTIMATORS and cfg.rollout.n == 1:  # n < 1 is a range problem
+              f"set critic.enabled=true, or pick a critic-free estimator ({', '.join(critic_free)})")
+    if spec is not None and spec.needs_groups and cfg.rollout.n == 1:  # n < 1 is a range problem
         p.add("rollout.n", cfg.rollout.n, f"algorithm.advantage={adv!r} compares the samples of one prompt, and a "
               "group of 1 has no baseline (every advantage is 0)", "use rollout.n >= 2 (e.g. 8)")
     if cfg.algorithm.dynamic_sampling.enabled and cfg.rollout.n == 1:
@@ -534,7 +454,8 @@ def validate_config(cfg: RunConfig, *, check_files: bool = True) -> None:
 
     reward_hf = _reward_model_config(cfg, p, hf_config)
 
-    _range_checks(cfg, p)
+    p.lines.extend(field_problems(cfg))  # each field's own bounds (megarl.config.schema)
+    _bound_checks(cfg, p)
     _registry_checks(cfg, p)
     # Sizes are only worth cross-checking once each of them is sane on its own.
     if not any(line.startswith(_SIZE_KEYS) for line in p.lines):

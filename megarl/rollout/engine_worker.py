@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from megarl.rollout.sglang_engine import SGLangEngine, staged_tensors
+from megarl.rollout.engine import SGLangEngine
 from megarl.rollout.weight_sync import shards_from_transport, sync_weights
+from parallel.reshard.transport import staged_tensors
 
 
 class RolloutWorker:

@@ -11,13 +11,12 @@ logits (``parallel.modules.vocab_parallel``), gathered over context parallelism,
 rank per data-parallel replica (last stage, TP rank 0, CP rank 0); the others return None.
 Losses are scaled so that the gradient equals that of the loss aggregated over the WHOLE
 mini-batch (``loss_agg_mode``), whatever the data-parallel size and micro-batch split: the
-layout never changes the update.
+layout never changes the update. The losses themselves are in ``megarl.workers.losses``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 from datetime import timedelta
 from typing import Any, Callable
@@ -38,23 +37,7 @@ from megarl.workers.batch import (
     shared_prompt_row_length,
     without_last_tokens,
 )
-
-
-@dataclasses.dataclass
-class LossSettings:
-    """The actor's (or critic's) loss: what ``actor`` / ``critic`` config sections say."""
-
-    policy_loss: str = "ppo"
-    loss_agg_mode: str = "token-mean"
-    max_len: int | None = None  # constant L of seq-mean-token-sum-norm (rollout.max_new_tokens)
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float | None = None
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0  # > 0: KL-to-reference loss term (needs ref_logp in the batch)
-    kl_estimator: str = "k3"
-    kl_clamp: float | None = 10.0
-    value_clip: float | None = None  # critic
+from megarl.workers.losses import LossSettings, actor_loss, critic_loss, loss_share
 
 
 @dataclasses.dataclass
@@ -358,11 +341,11 @@ class MegatronWorker:
             group["lr"] = lr
         micro = self._micro_batches(model, batch)
         scale = len(micro) * parallel_state.get_data_parallel_world_size()
-        loss_fn = self._critic_loss if role == "critic" else self._actor_loss
+        loss_fn = critic_loss if role == "critic" else actor_loss
 
         def loss_of(mb, local, output):
             outputs = self._token_outputs(model, mb, local, output, with_entropy=role == "actor")
-            weight = _share(model.spec.loss.loss_agg_mode, mb["response_mask"], global_counts)
+            weight = loss_share(model.spec.loss.loss_agg_mode, mb["response_mask"], global_counts)
             loss, stats = loss_fn(model.spec.loss, mb, outputs)
             weighted = {key: float(value) * weight for key, value in stats.items()}
             return loss * weight * scale, {"weighted": weighted, "weight": weight}
@@ -377,45 +360,6 @@ class MegatronWorker:
         metrics.update({"grad_norm": float(grad_norm or 0.0), "lr": lr, "update_ok": float(bool(update_successful))})
         return {f"{role}/{key}": value for key, value in metrics.items()}
 
-    @staticmethod
-    def _actor_loss(settings: LossSettings, mb: dict, outputs: dict) -> tuple[torch.Tensor, dict]:
-        from megarl.algorithms import agg_loss, get_policy_loss, kl_loss, masked_mean
-
-        mask = mb["response_mask"]
-        logp = outputs["logp"]
-        loss_fn = get_policy_loss(settings.policy_loss)
-        options = dict(loss_agg_mode=settings.loss_agg_mode, max_len=settings.max_len,
-                       clip_low=settings.clip_ratio_low, clip_high=settings.clip_ratio_high,
-                       clip_ratio_c=settings.clip_ratio_c)
-        accepted = inspect.signature(loss_fn).parameters
-        old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
-        loss, stats = loss_fn(logp=logp, old_logp=old_logp, advantages=mb["advantages"], response_mask=mask,
-                              **{k: v for k, v in options.items() if k in accepted and v is not None})
-        stats = {key: value.detach() for key, value in stats.items()}
-        entropy = agg_loss(outputs["entropy"], mask, settings.loss_agg_mode, settings.max_len)
-        stats["entropy"] = entropy.detach()
-        if settings.entropy_coef:
-            loss = loss - settings.entropy_coef * entropy
-        if settings.kl_coef:
-            kl, kl_stats = kl_loss(logp, mb["ref_logp"], mask, settings.kl_estimator, settings.loss_agg_mode,
-                                   settings.max_len, clamp=settings.kl_clamp)
-            loss = loss + settings.kl_coef * kl
-            stats.update({key: value.detach() for key, value in kl_stats.items()})
-        if "rollout_logp" in mb:  # how far the trainer's log-probs are from the engine's
-            gap = torch.exp((logp.detach() - mb["rollout_logp"]).abs())
-            stats["rollout_logp_gap"] = masked_mean(gap, mask)
-        stats["loss"] = loss.detach()
-        return loss, stats
-
-    @staticmethod
-    def _critic_loss(settings: LossSettings, mb: dict, outputs: dict) -> tuple[torch.Tensor, dict]:
-        from megarl.algorithms import value_loss
-
-        loss, stats = value_loss(values=outputs["values"], old_values=mb["old_values"], returns=mb["returns"],
-                                 response_mask=mb["response_mask"], clip_range_value=settings.value_clip,
-                                 loss_agg_mode=settings.loss_agg_mode, max_len=settings.max_len)
-        return loss, {key: value.detach() for key, value in stats.items()}
-
     # ------------------------------------------------------------------ weight sync
 
     def rollout_shards(self, plan, staged: bool = False) -> dict[str, tuple] | bytes | None:
@@ -427,9 +371,9 @@ class MegatronWorker:
         schedulers copy straight out of it, with no Ray object and no second staging copy."""
         import torch.distributed as dist
 
-        from megarl.rollout.sglang_engine import SharedMemoryStaging
         from megarl.rollout.weight_sync import shards_for_transport
         from parallel.reshard.plan import execute_plan
+        from parallel.reshard.transport import SharedMemoryStaging
 
         device = dist.get_rank()
         modules = self.models["actor"].modules
@@ -461,6 +405,7 @@ class MegatronWorker:
         import numpy as np
         from megatron.core import tensor_parallel
 
+        from parallel.checkpoint.atomic import atomic_file
         from parallel.checkpoint.dist_ckpt import save_megatron_checkpoint
 
         for role, model in self.models.items():
@@ -473,11 +418,8 @@ class MegatronWorker:
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                     "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()},
         }
-        target = self._rank_state_file(directory)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_suffix(".tmp")
-        torch.save(state, temporary)
-        temporary.rename(target)
+        with atomic_file(self._rank_state_file(directory)) as temporary:
+            torch.save(state, temporary)
         torch.distributed.barrier()
 
     def load_checkpoint(self, directory: str) -> None:
@@ -527,14 +469,6 @@ class MegatronWorker:
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _share(mode: str, mask: torch.Tensor, counts: dict[str, float]) -> float:
-    """This micro-batch's share of the mini-batch's aggregated loss: its tokens over all tokens
-    (token-mean), else its non-empty sequences over all non-empty sequences (seq-mean-*)."""
-    if mode == "token-mean":
-        return float(mask.sum()) / max(counts["tokens"], 1.0)
-    return float((mask.sum(-1) > 0).sum()) / max(counts["sequences"], 1.0)
 
 
 def _reduce_weighted(collected: list[dict]) -> dict[str, float]:

@@ -19,7 +19,8 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.hf_io import CheckpointError, HFCheckpoint, check_chunk_names
+from parallel.checkpoint.errors import CheckpointError
+from parallel.checkpoint.hf_io import HFCheckpoint, check_chunk_names
 from parallel.forward import prompt_logits
 from parallel.layout import MegatronLayout
 from parallel.models import init_value_head, unwrap_model, value_heads

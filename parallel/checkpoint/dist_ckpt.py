@@ -9,6 +9,7 @@ finished: a crash never leaves something that looks like a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -17,7 +18,8 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from parallel.checkpoint.hf_io import CheckpointError
+from parallel.checkpoint.atomic import atomic_directory
+from parallel.checkpoint.errors import CheckpointError
 from parallel.layout import MegatronLayout
 from parallel.models import unwrap_model
 
@@ -69,26 +71,26 @@ def write_megatron_checkpoint(
     target = Path(target)
     if target.exists():
         raise CheckpointError(f"{target} already exists; choose a new output directory or remove it")
-    partial = partial_dir(target)
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
-    try:
-        write(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)  # a failed save leaves nothing behind
-        raise
-    dist.barrier()
-    if dist.get_rank() == 0:
-        metadata = {
-            "format_version": FORMAT_VERSION,
-            "hf_config": dict(hf_config),
-            "saved_layout": dataclasses.asdict(layout),
-            "checksums": dict(checksums or {}),
-        }
-        (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=1, sort_keys=True))
-        partial.rename(target)
+    first = dist.get_rank() == 0
+    # rank 0 creates the partial directory (removing a killed save's) and renames it on success
+    publish = atomic_directory(target, partial=partial_dir(target)) if first else contextlib.nullcontext()
+    with publish:
+        dist.barrier()
+        partial = partial_dir(target)
+        try:
+            write(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # a failed save leaves nothing behind
+            raise
+        dist.barrier()
+        if first:
+            metadata = {
+                "format_version": FORMAT_VERSION,
+                "hf_config": dict(hf_config),
+                "saved_layout": dataclasses.asdict(layout),
+                "checksums": dict(checksums or {}),
+            }
+            (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=1, sort_keys=True))
     dist.barrier()
     return target
 

@@ -14,18 +14,17 @@ leaves a half-written checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
+from parallel.checkpoint.atomic import atomic_directory
+from parallel.checkpoint.errors import CheckpointError
 from parallel.reshard.shards import Box, hf_tensor_shapes
 
 CHECKSUMS_FILE = "megarl_checksums.json"
@@ -36,10 +35,6 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as asked; the message names the file/tensor and the fix."""
 
 
 def check_chunk_names(chunk_index: int, actual: set[str], expected: set[str]) -> None:
@@ -163,26 +158,6 @@ class HFCheckpoint:
     def read_all(self) -> dict[str, torch.Tensor]:
         """Every tensor (small checkpoints: tests and tools)."""
         return {name: self.read(name) for name in self.names}
-
-
-@contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory beside ``target``; rename it to ``target`` on success, delete
-    it on failure. An existing ``target`` is refused (never overwritten half-way)."""
-    target = Path(target)
-    if target.exists():
-        raise CheckpointError(f"{target} already exists; choose a new output directory or remove it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the renamed checkpoint private
-    try:
-        yield tmp
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _safetensors_header(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> bytes:

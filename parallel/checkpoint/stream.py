@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.hf_io import CheckpointError, HFCheckpoint, check_chunk_names
+from parallel.checkpoint.errors import CheckpointError
+from parallel.checkpoint.hf_io import HFCheckpoint, check_chunk_names
 from parallel.layout import MegatronLayout
 from parallel.models import build_model_chunks, unwrap_model
 from parallel.reshard.shards import Box, box_intersection, box_volume, megatron_shards, this_megatron_rank

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from parallel.checkpoint.convert import PROBE_TOKENS
 from parallel.checkpoint.dist_ckpt import METADATA_FILE, load_megatron_checkpoint, read_checkpoint_metadata
-from parallel.checkpoint.hf_io import CHECKSUMS_FILE, CheckpointError, HFCheckpoint, tensor_checksum
+from parallel.checkpoint.errors import CheckpointError
+from parallel.checkpoint.hf_io import CHECKSUMS_FILE, HFCheckpoint, tensor_checksum
 from parallel.checkpoint.stream import read_hf_tensors
 from parallel.forward import prompt_logits
 from parallel.layout import MegatronLayout

@@ -2,8 +2,8 @@
 
 megatron-core assumes CUDA in a handful of places. On a machine without a CUDA device,
 ``apply()`` installs the patches below, process-wide and idempotently; on a GPU machine it does
-nothing. Every patch is small, named, and has a test in tests/test_cpu_compat.py. Facts behind
-them: ../shared/notes/megatron_cpu.md.
+nothing. Every patch is small, named, and has a test in tests/parallel/cpu/test_compat.py. Facts behind
+them: docs/cpu.md.
 
 Patches (name -> why):
 - ``device_mode``: a TorchFunctionMode maps ``device="cuda"|"cuda:N"|N`` arguments of tensor
@@ -34,7 +34,7 @@ Patches (name -> why):
   oneDNN (:class:`parallel.cpu.linear.LinearFunction`): 1.1-1.7x MKL's SGEMM on this machine, a
   ~20% faster 20M-model update. Sequence parallelism, gradient-accumulation fusion and deferred
   weight gradients keep megatron's own function; ``MEGARL_CPU_LINEAR=aten`` turns it off. Tested
-  in tests/test_cpu_linear.py (TP=1/2 against a float64 oracle).
+  in tests/parallel/cpu/test_linear.py (TP=1/2 against a float64 oracle).
 """
 
 from __future__ import annotations

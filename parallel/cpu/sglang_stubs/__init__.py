@@ -36,14 +36,12 @@ and only when asked: :func:`install` does nothing when a CUDA device is present 
 ``force=True``. On a GPU machine nothing changes.
 
 SGLang's Engine spawns scheduler and detokenizer processes, which need the stubs before their
-first import. :func:`child_env` returns an environment that puts :data:`SITE_DIR` (holding a
-``sitecustomize.py``) on ``PYTHONPATH`` and sets ``MEGARL_CPU_STUBS=1`` (plus
-``MEGARL_CPU_STUBS_OVERRIDE=name,...``); every Python process started with it installs the stubs
-at interpreter start. The variables are deliberately not named ``SGL_*``: SGLang treats ``SGL_*``
-as deprecated aliases of ``SGLANG_*``. The same ``sitecustomize`` also hosts an unrelated hook that
-:class:`megarl.rollout.SGLangEngine` turns on for engines on every device
-(``MEGARL_SGLANG_SCHEDULER_PATCH=1``: a reseed method on SGLang's scheduler); the stubs stay off
-unless ``MEGARL_CPU_STUBS=1``.
+first import: :func:`install_from_env` installs them at interpreter start in every Python process
+started with ``MEGARL_CPU_STUBS=1`` (plus ``MEGARL_CPU_STUBS_OVERRIDE=name,...``). The hook that
+calls it is not here: it is the ``sitecustomize`` of megarl's engine processes
+(``megarl/rollout/engine_site``, which also installs megarl's patches of SGLang), and megarl's
+``megarl.rollout.engine.child_env`` builds such an environment. The variables are deliberately not
+named ``SGL_*``: SGLang treats ``SGL_*`` as deprecated aliases of ``SGLANG_*``.
 """
 
 from __future__ import annotations
@@ -54,12 +52,9 @@ import importlib.util
 import os
 import sys
 import types
-from pathlib import Path
 
 ENV_VAR = "MEGARL_CPU_STUBS"
 OVERRIDE_ENV_VAR = "MEGARL_CPU_STUBS_OVERRIDE"
-SITE_DIR = Path(__file__).resolve().parent / "site"
-_PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 class StubCalledError(RuntimeError):
@@ -288,23 +283,10 @@ def install(force: bool = False, roots: tuple[str, ...] = STUBBED,
 
 
 def install_from_env() -> list[str]:
-    """Run by :data:`SITE_DIR`/sitecustomize.py: install when ``MEGARL_CPU_STUBS=1``. The parent
-    already decided that stubs are needed, so no torch import (CUDA probe) happens here."""
+    """Run at interpreter start (by megarl's engine ``sitecustomize``): install when
+    ``MEGARL_CPU_STUBS=1``. The parent already decided that stubs are needed, so no torch import
+    (CUDA probe) happens here."""
     if os.environ.get(ENV_VAR, "") != "1":
         return []
     override = tuple(n for n in os.environ.get(OVERRIDE_ENV_VAR, "").split(",") if n)
     return install(force=True, override=override)
-
-
-def child_env(env: dict[str, str] | None = None, override: tuple[str, ...] = ()) -> dict[str, str]:
-    """A copy of ``env`` (default ``os.environ``) with which every Python process installs the
-    stubs at start: ``MEGARL_CPU_STUBS=1`` and :data:`SITE_DIR` plus the project root first on
-    ``PYTHONPATH``."""
-    env = dict(os.environ if env is None else env)
-    paths = [str(SITE_DIR), str(_PROJECT_ROOT)]
-    env["PYTHONPATH"] = os.pathsep.join(
-        paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in paths])
-    env[ENV_VAR] = "1"
-    if override:
-        env[OVERRIDE_ENV_VAR] = ",".join(override)
-    return env

@@ -1,0 +1,124 @@
+"""The patches megarl installs into the processes of an SGLang engine (:func:`install_scheduler_patch`).
+
+They run in SGLang's scheduler processes (and, inert, in every other process of the engine), put
+in place at interpreter start, before SGLang is imported, by the ``sitecustomize`` in
+``megarl/rollout/engine_site`` (:data:`megarl.rollout.engine.SITE_DIR`) when
+``MEGARL_SGLANG_SCHEDULER_PATCH=1``: SGLang spawns its schedulers, so a patch made in the engine
+handle's process would not reach them. Each patch waits for its module's import
+(:class:`_PostImportPatch`) and imports nothing of SGLang itself.
+
+Reproducible sampling: SGLang samples with each scheduler's global RNGs (torch, plus python
+``random``/numpy), seeded only once at startup; its per-request ``sampling_seed`` needs
+``enable_deterministic_inference``, which the CPU path cannot use. So a ``megarl_reseed`` method
+is added to SGLang's ``Scheduler`` class (:func:`_scheduler_reseed`), which
+:meth:`megarl.rollout.engine.SGLangEngine.reseed` calls on every rank with SGLang's
+``Engine.collective_rpc``: every scheduler (TP rank) gets the sampling state of a freshly started
+engine whose ``random_seed`` is the given seed, so a resumed run (new engine) samples the same
+tokens as an uninterrupted one.
+
+The other patches: SGLang's weight checker hashes with
+:func:`megarl.rollout.weight_sync.weight_checksum` (what the trainer computes), the torch-native
+attention backend batches its attention (:mod:`megarl.rollout.batched_attention`), the sampler
+samples by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and fp32 CPU linears run
+through oneDNN (:mod:`parallel.cpu.linear`).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+
+from megarl.rollout.weight_sync import weight_checksum
+
+RESEED_RPC = "megarl_reseed"  # the Scheduler method SGLangEngine.reseed() calls on every rank
+_SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+_WEIGHT_CHECKER_MODULE = "sglang.srt.utils.weight_checker"
+RESEED_BUSY = "megarl_reseed: scheduler not idle"  # in the error of a scheduler that refused (busy)
+
+
+def _scheduler_reseed(self, seed: int) -> None:
+    """``Scheduler.megarl_reseed``: the sampling state of a fresh engine with ``random_seed=seed``
+    (see :meth:`megarl.rollout.engine.SGLangEngine.reseed`). Refuses while requests run."""
+    from sglang.srt.utils.common import set_random_seed
+
+    # False while requests are queued or running; then nothing changed. empty_cache=False: on CPU
+    # it is a full gc.collect() of the scheduler's heap (~0.3 s here), on GPUs a CUDA cache release;
+    # neither changes what is sampled.
+    if not self.flush_cache(empty_cache=False):
+        raise RuntimeError(f"{RESEED_BUSY} (requests queued or running)")
+    self.new_token_ratio_tracker.reset()  # what an idle scheduler resets; fresh engines start there
+    set_random_seed(seed)  # python random, numpy, torch (CPU and every accelerator): as at startup
+    self.random_seed = seed
+
+
+def _patch_scheduler_module(module) -> None:
+    scheduler = getattr(module, "Scheduler", None)
+    if scheduler is None:  # a future SGLang moved it: reseed() will say the method is missing
+        print(f"megarl: {module.__name__} has no Scheduler class; {RESEED_RPC} not installed",
+              file=sys.stderr, flush=True)
+        return
+    setattr(scheduler, RESEED_RPC, _scheduler_reseed)
+
+
+def _patch_weight_checker_module(module) -> None:
+    """SGLang's weight checker hashes with :func:`megarl.rollout.weight_sync.weight_checksum` (what
+    the trainer computes)."""
+    if not hasattr(module, "_hash_tensor"):  # a future SGLang renamed it: every parity probe fails, loudly
+        print(f"megarl: {module.__name__} has no _hash_tensor; weight checksums left as SGLang computes them",
+              file=sys.stderr, flush=True)
+        return
+    module._hash_tensor = weight_checksum
+
+
+class _PostImportPatch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for one module it asks the finders after it for the spec and wraps
+    the loader's ``exec_module`` so the module is patched right after it executes. Removes itself
+    once used."""
+
+    def __init__(self, fullname: str, patch):
+        self.fullname, self.patch = fullname, patch
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.fullname or self not in sys.meta_path:
+            return None
+        sys.meta_path.remove(self)  # one-shot; also keeps the lookup below from finding us
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, patch = spec.loader.exec_module, self.patch
+
+        def exec_and_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # this spec's own loader instance
+        return spec
+
+
+def install_scheduler_patch() -> None:
+    """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class,
+    hash with :func:`weight_checksum` in SGLang's weight checker, batch the torch-native backend's
+    attention (:mod:`megarl.rollout.batched_attention`), sample
+    by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and run fp32 CPU linears through
+    oneDNN (:mod:`parallel.cpu.linear`) in this process: now for a module
+    imported already, otherwise right after its import. Run at interpreter start (before SGLang
+    is imported) in every process of an engine by the ``sitecustomize`` in
+    ``megarl/rollout/engine_site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
+    Also keeps megatron out of the process: SGLang's debug dumper imports ``megatron.core`` when it
+    is installed (for a plugin used inside Megatron training processes, never in an engine) and
+    reads its absence as "not installed": ~2 s of CPU less per engine start.
+    Imports nothing of SGLang itself. Idempotent."""
+    sys.modules.setdefault("megatron", None)  # "import megatron..." raises ModuleNotFoundError
+    from megarl.rollout.batched_attention import BACKEND_MODULE, patch_backend_module
+    from megarl.rollout.inverse_cdf_sampling import SAMPLER_MODULE, patch_sampler_module
+    from parallel.cpu.linear import SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module
+
+    for name, patch in ((_SCHEDULER_MODULE, _patch_scheduler_module),
+                        (_WEIGHT_CHECKER_MODULE, _patch_weight_checker_module), (BACKEND_MODULE, patch_backend_module),
+                        (SAMPLER_MODULE, patch_sampler_module),
+                        (SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module)):
+        if name in sys.modules:
+            patch(sys.modules[name])
+        elif not any(isinstance(f, _PostImportPatch) and f.fullname == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _PostImportPatch(name, patch))
