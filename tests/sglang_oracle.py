@@ -99,7 +99,7 @@ def _cache_key(hf_dir: str | os.PathLike, tp_size: int) -> tuple:
 
 
 def _run_oracle(requests: list[tuple[str, int]]) -> list[list[dict[str, torch.Tensor]]]:
-    from parallel.cpu.sglang_stubs import child_env
+    from megarl.rollout.engine import child_env
 
     env = child_env()
     env.pop("SGLANG_USE_CPU_ENGINE", None)  # the GPU path's layout, see the module docstring

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model_specs.presets import PRESETS, save_tiny_hf_model
+from model_specs.presets import PRESETS
 from tests.sglang_oracle import sglang_all_rank_parameters, sglang_oracle_batch, sglang_rank_parameters
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-path tests")
@@ -22,9 +22,8 @@ HEAD_DIM = PRESETS["tiny-llama"]["head_dim"]
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("oracle-models")
-    dirs = {p: save_tiny_hf_model(p, root / p) for p in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")}
+def model_dirs(tiny_hf_model):
+    dirs = {p: tiny_hf_model(p) for p in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")}
     sglang_oracle_batch([(d, tp) for d in dirs.values() for tp in (1, 2)])  # one SGLang process for all tests
     return dirs
 

@@ -1,0 +1,237 @@
+"""The memory planner against hand computations, and the 70B launch scripts' dry runs.
+
+Hand numbers are for tiny-llama (hidden 64, ffn 128, 4 layers, 4 query / 2 KV heads of 16,
+vocab 200, untied), worked out in the comments from the formulas in parallel/memory.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.cli import main
+from model_specs.presets import hf_config_dict
+from parallel.layout import MegatronLayout
+from parallel.memory import (
+    GiB,
+    ModelShape,
+    kv_bytes_per_token,
+    megatron_stage_params,
+    rollout_memory,
+    sglang_rank_weight_params,
+    training_memory,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = hf_config_dict("tiny-llama")
+GRPO_70B = str(ROOT / "configs/llama3_70b_grpo_32x8.yaml")
+PPO_70B = str(ROOT / "configs/llama3_70b_ppo_32x8.yaml")
+
+
+def test_total_params_equal_hf_numel():
+    from transformers import AutoModelForCausalLM
+
+    from model_specs.presets import make_hf_config
+
+    for preset in ("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3"):
+        model = AutoModelForCausalLM.from_config(make_hf_config(preset))
+        assert ModelShape.from_hf(hf_config_dict(preset)).total_params() == sum(p.numel() for p in model.parameters()), preset
+
+
+def test_llama3_70b_parameter_count():
+    assert ModelShape.from_hf(hf_config_dict("llama3-70b")).total_params() == 70_553_706_496  # Meta's 70.6B
+
+
+def test_megatron_stage_params_by_hand():
+    shape = ModelShape.from_hf(TINY)
+    layout = MegatronLayout(tp=2, pp=2)
+    # per layer: q 64*64 + k 64*32 + v 64*32 + o 64*64 + mlp 3*64*128 = 36864 split, 2*64 norms
+    # tp=2: 18432 + 128 = 18560 per layer, 2 layers per stage = 37120
+    # vocab 200 padded to a multiple of 128*2 = 256, / tp = 128 rows of 64 = 8192
+    assert megatron_stage_params(shape, layout, 0) == 37120 + 8192  # + embedding
+    assert megatron_stage_params(shape, layout, 1) == 37120 + 64 + 8192  # + final norm + output layer
+    assert megatron_stage_params(shape, layout, 1, value_head=True) == 37120 + 64 + 64
+
+
+def _rank_numel(hf, layout):
+    import torch.distributed as dist
+
+    from parallel.layout import initialize_megatron
+    from parallel.models import build_model_chunks
+
+    initialize_megatron(layout)
+    chunks = build_model_chunks(hf, layout)
+    return dist.get_rank(), sum(p.numel() for c in chunks for p in c.parameters())
+
+
+def test_megatron_stage_params_equal_built_model():
+    """The closed form equals what megatron-core builds on each rank (tp=2: vocab padding, TP
+    splits, replicated norms, embedding + final norm + output layer on the one stage)."""
+    from parallel.spawn import run_on_ranks
+
+    layout = MegatronLayout(tp=2)
+    shape = ModelShape.from_hf(TINY)
+    for rank, numel in run_on_ranks(_rank_numel, 2, TINY, layout, timeout_s=240):
+        assert numel == megatron_stage_params(shape, layout, 0) == 4 * 18560 + 8192 + 64 + 8192, rank
+
+
+def test_training_memory_by_hand():
+    layout = MegatronLayout(tp=2, pp=2, sequence_parallel=True, use_distributed_optimizer=True)
+    est = training_memory(TINY, layout, dp=2, dtype="bfloat16", tokens_per_micro_batch=2 * 32, micro_batches=4)
+    # Busiest rank: stage 0 (2 micro-batches in flight). 45312 params.
+    params = 37120 + 8192
+    # activations per token per layer, SP over tp=2: 4*64/2 + (2*64 + 2*32 + 3*128)/2 = 416 elements
+    per_layer = 416 * 64 * 2  # 64 tokens, bf16
+    assert est.components == {
+        "params": params * 2,
+        "grads": params * 4,
+        "optimizer": params * 12 // 2,  # fp32 master + 2 moments, sharded over dp=2
+        "activations": 2 * 2 * per_layer,  # 2 layers x min(pp - 0, 4) = 2 in flight
+        "logits": 0,  # on the last stage only
+    }
+    # Without the distributed optimizer nothing is sharded; without SP the 4h part is replicated.
+    plain = MegatronLayout(tp=2, pp=2)
+    est = training_memory(TINY, plain, dp=2, dtype="bfloat16", tokens_per_micro_batch=64, micro_batches=4)
+    assert est.components["optimizer"] == params * 12
+    assert est.components["activations"] == 2 * 2 * (4 * 64 + 288) * 64 * 2
+    # Last stage alone (pp=1): one micro-batch in flight and the logits: 64 tokens x 256/2 x (2 + 8).
+    one = MegatronLayout(tp=2, sequence_parallel=True)
+    est = training_memory(TINY, one, dp=1, dtype="bfloat16", tokens_per_micro_batch=64, micro_batches=4)
+    assert est.components["activations"] == 4 * per_layer
+    assert est.components["logits"] == 64 * 128 * 10
+    # Full recompute: each layer's input (64/2 elements per token) kept, plus one layer's full set.
+    est = training_memory(TINY, one, dp=1, dtype="bfloat16", tokens_per_micro_batch=64, micro_batches=4,
+                          recompute="full")
+    assert est.components["activations"] == 4 * 32 * 64 * 2 + per_layer
+    # Reference (forward only): params only, one layer's working set.
+    est = training_memory(TINY, one, dp=1, dtype="bfloat16", tokens_per_micro_batch=64, micro_batches=4,
+                          trainable=False)
+    assert set(est.components) == {"params", "activations", "logits"}
+    assert est.components["activations"] == per_layer
+    # fp32: no master copy (8 bytes of moments per parameter).
+    est = training_memory(TINY, one, dp=1, dtype="float32", tokens_per_micro_batch=64, micro_batches=1)
+    assert est.components["optimizer"] == est.components["params"] // 4 * 8
+
+
+def test_rollout_memory_by_hand():
+    shape = ModelShape.from_hf(TINY)
+    # SGLang tp=2: per layer 64*(32 + 2*16) + 32*64 + 3*64*128/2 + 128 = 18560; vocab padded to
+    # 256 (multiple of 64) / 2 = 128 rows, embedding and lm_head; final norm 64.
+    assert sglang_rank_weight_params(shape, 2) == 4 * 18560 + 2 * 128 * 64 + 64
+    # KV per token: 2 x 4 layers x 1 KV head per rank x 16 x 2 bytes; tp=4 > 2 KV heads: replicated.
+    assert kv_bytes_per_token(shape, 2) == 256
+    assert kv_bytes_per_token(shape, 4) == 256
+    assert kv_bytes_per_token(shape, 1) == 512
+    rm = rollout_memory(TINY, 2, free_bytes=10 * 2**20, mem_fraction_static=0.5, sequences_per_engine=8,
+                        tokens_per_sequence=100)
+    weights = (4 * 18560 + 2 * 128 * 64 + 64) * 2
+    assert (rm.weights, rm.reserved, rm.kv_pool) == (weights, 5 * 2**20, 5 * 2**20 - weights)
+    assert rm.kv_capacity_tokens == (5 * 2**20 - weights) // 256
+    assert rm.tokens_needed == 800 and rm.concurrency_fraction == 1.0
+
+
+def test_plan_70b_numbers(capsys):
+    """The 70B GRPO layout: 2.27B parameters on the busiest rank; fits in 80 GiB."""
+    from megarl.config import load_config
+    from megarl.launch_plan import plan_run
+
+    plan = plan_run(load_config(GRPO_70B, check_files=False), gpu_memory_gib=80)
+    actor = next(r for r in plan.roles if r.role == "actor")
+    # 20 layers + the embedding (vocab 128256 padded to a multiple of 128*8: 129024), tp=8
+    params = 20 * (855_638_016 // 8 + 2 * 8192) + 129024 * 8192 // 8
+    assert actor.memory.components["params"] == params * 2
+    assert actor.memory.components["optimizer"] == params * 12 // 8
+    assert actor.dp == 8
+    rollout = next(r for r in plan.roles if r.role == "rollout")
+    assert rollout.engines == 32 and rollout.rollout.kv_per_token == 2 * 80 * 1 * 128 * 2
+    assert plan.fits and 40 * GiB < plan.pools[0].peak < 80 * GiB
+
+
+@pytest.mark.parametrize("script", ["grpo_llama70b.sbatch", "ppo_llama70b.sbatch", "convert_llama70b.sbatch"])
+def test_dry_runs_of_70b_scripts(script, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    result = subprocess.run(["bash", str(ROOT / "launch_scripts" / script), "--dry-run"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "tp=8 pp=4" in out and "== the job would run" in out and "sbatch" in out
+    if script.startswith("convert"):
+        assert "1.4 GiB per rank" in out and "rank 0 of megatron-to-hf 5.3 GiB" in out
+        assert "srun --nodes=4 --ntasks-per-node=8" in out and "megarl convert hf-to-megatron" in out
+    else:
+        assert "verdict: fits in memory" in out and "GiB" in out and "rollout" in out
+        assert "launch_scripts/ray_on_slurm.sh megarl train configs/llama3_70b_" in out
+        assert "--slurm-nodes 32 --slurm-gpus-per-node 8" in out
+        if script.startswith("ppo"):
+            assert "critic" in out and "critic update" in out
+
+
+def test_dry_run_env_knob_and_overrides(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(MEGARL_DRY_RUN="1", PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+    result = subprocess.run(["bash", str(ROOT / "launch_scripts/grpo_llama70b.sbatch"), "actor.micro_batch_size=16"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr  # flagged: does not fit
+    assert "DOES NOT FIT" in result.stdout and "actor.micro_batch_size" in result.stdout
+
+
+def _plan(capsys, *argv):
+    code = main(["plan", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_bad_tp_names_field_value_and_fix(capsys):
+    code, _, err = _plan(capsys, GRPO_70B, "actor.layout.tp=16")  # 256 ranks divide, 8 KV heads do not
+    assert code == 2
+    assert "actor.layout.tp=16 must divide num_attention_heads=64 and num_key_value_heads=8" in err
+    assert "pick tp from [1, 2, 4, 8]" in err
+
+
+def test_world_not_divisible_names_field_value_and_fix(capsys):
+    code, _, err = _plan(capsys, GRPO_70B, "cluster.nodes=3")
+    assert code == 2
+    assert "world_size=24 is not divisible by tp*pp*cp=8*4*1=32" in err and "cluster.nodes=3" in err
+
+
+def test_rollout_tp_not_dividing_heads(capsys):
+    code, _, err = _plan(capsys, GRPO_70B, "rollout.tp=3")
+    assert code == 2 and "rollout.tp=3" in err and "pick one of" in err
+
+
+def test_layout_that_does_not_fit_is_flagged(capsys):
+    code, out, _ = _plan(capsys, GRPO_70B, "--gpu-memory-gib", "40")
+    assert code == 1
+    assert "DOES NOT FIT: pool 'global'" in out and "fix:" in out and "verdict: does NOT fit" in out
+    # No distributed optimizer on a 70B model: the fix names it.
+    code, out, _ = _plan(capsys, GRPO_70B, "actor.layout.use_distributed_optimizer=false", "--gpu-memory-gib", "70")
+    assert code == 1 and "set actor.layout.use_distributed_optimizer=true" in out
+    # SGLang's reservation smaller than its weights.
+    code, out, _ = _plan(capsys, PPO_70B, "rollout.mem_fraction_static=0.3")
+    assert code == 1 and "rollout.mem_fraction_static=0.3" in out and "raise it to at least" in out
+
+
+def test_kv_pool_too_small_for_a_step_warns(capsys):
+    code, out, _ = _plan(capsys, PPO_70B, "rollout.n=8")
+    assert code == 0 and "warning: rollout: the KV pool holds" in out and "waves" in out
+
+
+def test_split_pools_and_slurm_geometry(capsys):
+    code, out, _ = _plan(capsys, GRPO_70B, "cluster.pools={train: 128, rollout: 128}", "actor.pool=train",
+                         "rollout.placement=separate", "rollout.pool=rollout", "rollout.mem_fraction_static=0.85")
+    assert code == 0 and "pool 'train' (128 ranks: actor, ref)" in out and "pool 'rollout' (128 ranks: rollout)" in out
+    code, _, err = _plan(capsys, GRPO_70B, "--slurm-nodes", "16")
+    assert code == 2 and "cluster.nodes=32: the Slurm allocation has 16 nodes" in err
+
+
+def test_plan_json(capsys):
+    import json
+
+    code, out, _ = _plan(capsys, PPO_70B, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["fits"] and set(data["roles"]) == {"actor", "ref", "critic", "rollout"}

@@ -1,0 +1,269 @@
+"""`megarl train` end to end on CPU: real Ray, real Megatron workers, real SGLang engines.
+
+- learning: GRPO raises the mean reward far beyond a no-update control (lr = 0) run of the same
+  seed; the first rollout's SGLang log-probs equal the actor's recomputation (step-0 check); the
+  control lays out a row per sample and its first step equals the GRPO run's shared-prompt rows;
+- pools and resume, against one uninterrupted run with every role on a pool of its own: a
+  colocated run gives its steps 1-2, is SIGKILLed (driver) after its step-2 checkpoint, and
+  resumed gives its steps 3-4; no process of the killed run survives;
+- a reward model (on its own pool) scores every sample as HF's sequence classifier does;
+- PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
+  a SIGTERM makes the driver finish its step, save a checkpoint and exit with status 143;
+- a broken config or a missing dataset fails before Ray starts, with one clear message.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGARL = [sys.executable, "-m", "megarl.cli", "train", str(ROOT / "configs/quickstart_grpo.yaml")]
+
+
+@pytest.fixture(scope="module")
+def prompts(arith_prompts):
+    return arith_prompts(400)
+
+
+def _overrides(prompts, out, **extra):
+    base = {"data.train_files": f"[{prompts}]", "trainer.output_dir": str(out), "trainer.loggers": "[console]"}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _run(args, timeout_s=600, **popen):
+    """Run `megarl train` in its own session; whatever it leaves behind is killed with it."""
+    proc = subprocess.Popen(MEGARL + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **popen)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        _kill_session(proc.pid)
+    return proc.returncode, output
+
+
+def _kill_session(sid: int) -> None:
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _session_members(sid: int) -> list[psutil.Process]:
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, psutil.Error, OSError):
+            pass
+    return members
+
+
+def _metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
+    steps = 24
+    common = {"trainer.total_steps": steps, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 1,
+              "data.batch_size": 16, "rollout.n": 8, "actor.micro_batch_size": 16, "ref.micro_batch_size": 16}
+    code, output = _run(_overrides(prompts, tmp_path / "grpo", **common), timeout_s=900)
+    assert code == 0, output[-3000:]
+    assert "rows: one per prompt, its samples as branches" in output, output[-3000:]  # the default at n > 1
+    # The no-update control: lr must be > 0, and at 1e-12 Adam moves each weight by ~1e-12. It also
+    # lays out a row per sample (actor.shared_prompts=false): see the padded-rows check below.
+    control_settings = {**common, "actor.optim.lr": 1e-12, "trainer.total_steps": 8, "actor.shared_prompts": "false"}
+    code, control_output = _run(_overrides(prompts, tmp_path / "control", **control_settings), timeout_s=600)
+    assert code == 0, control_output[-3000:]
+    assert "rows: one per sample" in control_output, control_output[-3000:]
+    grpo_steps, control_steps = _metrics(tmp_path / "grpo"), _metrics(tmp_path / "control")
+    grpo = [m["reward/mean"] for m in grpo_steps]
+    control = [m["reward/mean"] for m in control_steps]
+    print("GRPO reward per step:", [round(r, 3) for r in grpo])
+    print("no-update control:   ", [round(r, 3) for r in control])
+    first, last = sum(grpo[:3]) / 3, sum(grpo[-3:]) / 3
+    spread = max(control) - min(control)  # run-to-run noise of the per-step mean reward
+    assert last - first > max(0.08, 2 * spread), (grpo, control)
+    assert max(control) < last, (grpo, control)
+    # Step 0: the engine's log-probs of its own samples equal the actor's recomputation.
+    gap = grpo_steps[0]["actor/rollout_logp_gap"]
+    assert gap < 1.01  # mean exp|diff|: 1.0 is exact agreement
+    assert (tmp_path / "grpo" / "hf_final" / "model.safetensors").is_file()
+    # Padded rows: the first step (same initial weights, seed and so rollouts; the learning rate
+    # acts only after it) has the shared-prompt run's losses, entropy, KL and grad norm. Later steps
+    # sample from other weights.
+    _assert_same_steps({m["step"]: m for m in control_steps}, {m["step"]: m for m in grpo_steps}, (1,))
+
+
+FOUR_STEPS = {"trainer.total_steps": 4, "trainer.save_every": 2, "data.batch_size": 8, "rollout.n": 4}
+COMPARED = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def separate_pools(prompts, tmp_path_factory):
+    """Step -> metrics of an uninterrupted 4-step run with every role on a pool of its own: the
+    actor on 2 trainer ranks, two TP=1 engines on 2 ranks of their own (fed by the separate-pool
+    sync), the reference at PP=2 on 2 more. The oracle of the colocated runs below: the same
+    seed, data and model, so every step (rollouts after each sync, KL to the reference) must match."""
+    separate = {**FOUR_STEPS, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 6,
+                "cluster.pools": "{train: 2, rollout: 2, reference: 2}", "actor.pool": "train",
+                "rollout.placement": "separate", "rollout.pool": "rollout", "ref.pool": "reference",
+                "ref.layout.pp": 2}
+    out = tmp_path_factory.mktemp("separate")
+    code, output = _run(_overrides(prompts, out, **separate) + ["--no-export"])
+    assert code == 0, output[-3000:]
+    assert "pool 'reference': 2 rank(s) of ref (layout tp=1 pp=2 cp=1)" in output, output[-3000:]
+    assert "2 SGLang engine(s) of TP=1 on their own pool 'rollout'" in output, output[-3000:]
+    return {m["step"]: m for m in _metrics(out)}
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(prompts, tmp_path_factory):
+    """A colocated run (2 ranks, two engines of TP=1) whose driver is SIGKILLed after its step-2
+    checkpoint, then run again: (step -> metrics of both parts, the second part's output, the
+    processes of the killed run still alive after it)."""
+    out = tmp_path_factory.mktemp("killed")
+    proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **FOUR_STEPS) + ["--no-export"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoints" / "step_000002" / "trainer_state.json").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step-2 checkpoint"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)  # the driver only: its workers and engines must not outlive it
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while _session_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(1)
+        # Ray's own per-node agents outlive a SIGKILLed driver that started Ray (they are killed with
+        # the session below); the run's workers, engines and reward processes must all be gone.
+        survivors = [f"{p.name()} ({' '.join(p.cmdline())[:120]})" for p in _session_members(proc.pid)
+                     if p.name() not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")]
+    finally:
+        _kill_session(proc.pid)
+    code, output = _run(_overrides(prompts, out, **FOUR_STEPS) + ["--no-export"])
+    assert code == 0, output[-3000:]
+    return {m["step"]: m for m in _metrics(out)}, output, survivors
+
+
+def _assert_same_steps(run: dict, oracle: dict, steps) -> None:
+    for step in steps:
+        for key in COMPARED:
+            assert run[step][key] == pytest.approx(oracle[step][key], rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(separate_pools, killed_and_resumed):
+    steps, output, survivors = killed_and_resumed
+    assert "resumed from" in output
+    _assert_same_steps(steps, separate_pools, (3, 4))
+    assert survivors == [], f"processes of the killed run still alive: {survivors}"
+
+
+def test_every_role_on_a_pool_of_its_own_matches_the_colocated_run(separate_pools, killed_and_resumed):
+    """The colocated run's steps before its kill (steps 1-2: the second samples from weights
+    synced after an update) equal the separate pools' (its steps 3-4 are the resume test's)."""
+    steps, output, _ = killed_and_resumed
+    # engines use their ranks' cores, not the one thread Ray gives its actors (2 ranks here)
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"2 SGLang engine(s) of TP=1 colocated ({threads} CPU thread(s) per rank)" in output, output[-3000:]
+    _assert_same_steps(steps, separate_pools, (1, 2))
+    assert separate_pools[4]["actor/kl_loss"] > 1e-6  # the reference's log-probs are in the compared loss
+
+
+SHIFTED_REWARD = """
+from megarl.rewards.builtin import arithmetic_reward
+
+def shifted(**kw):
+    return 1.0 + arithmetic_reward(**kw)
+"""
+
+
+def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_path):
+    # Rewards shifted by +1 (a reward model's offset): a fresh value head predicts ~0.16, so the
+    # critic has a clear error to remove before only the rewards' own variance is left.
+    reward_file = tmp_path / "shifted.py"
+    reward_file.write_text(SHIFTED_REWARD)
+    out = tmp_path / "ppo"
+    # The critic trains on a pool of its own, concurrently with the actor.
+    settings = {"trainer.total_steps": 50, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 2,
+                "cluster.pools": "{train: 1, values: 1}", "actor.pool": "train", "critic.pool": "values",
+                "data.batch_size": 32, "rollout.n": 1, "actor.micro_batch_size": 32, "ref.micro_batch_size": 32,
+                "critic.micro_batch_size": 32, "actor.sequence_packing": "true",  # packed rows, all 3 models
+                "algorithm.advantage": "gae", "algorithm.lam": 0.95,
+                "algorithm.kl_penalty.enabled": "true", "ref.enabled": "true", "critic.enabled": "true",
+                "critic.optim.lr": 5e-4, "reward.functions": f"{{synthetic_arith: {reward_file}:shifted}}"}
+    proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **settings) + ["--no-export"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 8:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 8"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        _kill_session(proc.pid)
+    assert proc.returncode == 143, output[-3000:]
+    steps = _metrics(out)
+    last = steps[-1]["step"]
+    assert 8 <= last < 50 and f"SIGTERM: saved step {last}" in output, output[-3000:]
+    saved = out / "checkpoints" / f"step_{last:06d}"
+    assert (saved / "trainer_state.json").is_file() and (saved / "critic").is_dir() and not (saved / "ref").exists()
+    assert sorted(p.name for p in (saved / "rank_states").iterdir()) == ["train", "values"]
+    vf_loss = [m["critic/vf_loss"] for m in steps]
+    print("PPO critic value loss per step:", [round(v, 4) for v in vf_loss])
+    assert vf_loss[0] > 0.2, vf_loss
+    assert sum(vf_loss[-3:]) / 3 < vf_loss[0] / 5, vf_loss
+    # The critic's mean prediction has moved to the mean return (the reward: one scored token).
+    recent_reward = sum(m["reward/mean"] for m in steps[-3:]) / 3
+    assert abs(steps[-1]["critic/vpred_mean"] - recent_reward) < 0.2, (steps[-1], recent_reward)
+    assert all(m["actor/update_ok"] == 1.0 for m in steps)
+
+
+def test_reward_model_on_its_own_pool_scores_like_hf(prompts, tmp_path):
+    """GRPO scored by a reward model (an HF sequence classifier, here at PP=2 on 2 ranks of its
+    own): every saved sample's score equals HF transformers' classifier logit of its prompt +
+    response, and the step's reward/mean is their mean."""
+    from transformers import AutoModelForSequenceClassification
+
+    from model_specs.presets import save_tiny_hf_model
+
+    rm_dir = save_tiny_hf_model("tiny-qwen2", tmp_path / "rm", seed=9, reward_model=True, pad_token_id=0)
+    out = tmp_path / "rm_run"
+    settings = {"trainer.total_steps": 2, "trainer.save_every": 0, "data.batch_size": 4, "rollout.n": 4,
+                "cluster.cpu_ranks_per_node": 4, "cluster.pools": "{train: 2, scoring: 2}", "actor.pool": "train",
+                "reward_model.enabled": "true", "reward_model.model_path": rm_dir, "reward_model.pool": "scoring",
+                "reward_model.layout.pp": 2, "reward_model.micro_batch_size": 2, "trainer.save_rollouts_every": 1}
+    code, output = _run(_overrides(prompts, out, **settings) + ["--no-export"])
+    assert code == 0, output[-3000:]
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+    metrics = {m["step"]: m for m in _metrics(out)}
+    for step in (1, 2):
+        samples = [json.loads(line) for line in (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert len(samples) == 16
+        with torch.no_grad():
+            want = [float(model(torch.tensor([s["prompt_ids"] + s["response_ids"]])).logits[0, 0]) for s in samples]
+        assert [s["score"] for s in samples] == pytest.approx(want, abs=2e-5), step
+        assert metrics[step]["reward/mean"] == pytest.approx(sum(want) / len(want), abs=1e-5)
+    assert len(set(round(w, 6) for w in want)) > 1  # the scores are not all the same
+
+
+def test_broken_config_and_missing_data_fail_before_ray(prompts, tmp_path):
+    code, output = _run(_overrides(prompts, tmp_path / "a", **{"rollout.n": 0}), timeout_s=120)
+    assert code == 2 and "rollout.n=0" in output, output
+    code, output = _run(_overrides(str(tmp_path / "missing.parquet"), tmp_path / "b"), timeout_s=120)
+    assert code == 2 and "missing.parquet" in output, output
+    assert "ray" not in output.lower()
+    code, output = _run(_overrides(prompts, tmp_path / "c", **{"ref.layout.pp": 2}), timeout_s=120)
+    assert code == 2 and "ref.layout (tp=1 pp=2 cp=1) differs from the actor's" in output, output
+    assert "give the ref a pool of its own" in output, output
+    assert "ray" not in output.lower()
