@@ -8,7 +8,7 @@ megarl's layout code is involved: the fused QKV (``[q_r; k_r; v_r]``, KV heads r
 ``tp_size`` > KV heads), stacked ``gate_up_proj``, the vocab padding and the TP slices are
 SGLang's.
 
-How one process plays every rank (see shared/notes/sglang_cpu.md): no torch.distributed. For
+How one process plays every rank (see docs/cpu.md): no torch.distributed. For
 each rank, publish ``ServerArgs(device="cpu", tp_size=t)`` with role ``"test"`` and
 ``SpawnRanks(world_rank=r)``, stamp fake group handles (rank_in_group / world_size / ranks) for
 every group SGLang reads, construct, load, read ``named_parameters()``, then ``clear_stamp()``

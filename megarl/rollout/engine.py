@@ -50,7 +50,7 @@ _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # ``sitecustomize.py``, put first on the engine's PYTHONPATH.
 SITE_DIR = Path(__file__).resolve().parent / "engine_site"
 
-# SGLang settings for its CPU path (see shared/notes/sglang_cpu.md); the caller's kwargs win.
+# SGLang settings for its CPU path (see docs/cpu.md); the caller's kwargs win.
 CPU_ENGINE_DEFAULTS: dict[str, Any] = dict(
     device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
     disable_cuda_graph=True, mem_fraction_static=0.05, max_total_tokens=4096,

@@ -2,7 +2,7 @@
 
 SGLang 0.5.23's CPU path (``SGLANG_USE_CPU_ENGINE=1``, torch-native attention, pytorch sampling)
 never runs a CUDA kernel, but importing it pulls in modules that do not exist, or do not work,
-without CUDA (measured facts: shared/notes/sglang_cpu.md). This is the one place that stubs them:
+without CUDA (see docs/cpu.md). This is the one place that stubs them:
 
 ``sgl_kernel``
     SGLang's CUDA kernel library; there is no CPU wheel. Dozens of SGLang modules import names
