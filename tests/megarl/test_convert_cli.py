@@ -14,7 +14,7 @@ from parallel.checkpoint.atomic import atomic_directory
 from parallel.checkpoint.errors import CheckpointError
 from parallel.checkpoint.hf_io import write_hf_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def convert(*args, timeout=300):

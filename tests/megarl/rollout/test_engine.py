@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -184,7 +185,7 @@ def test_owner_death_kills_the_engine(model_dirs, tmp_path):
     kills itself (within about a second) instead of living on."""
     owner = subprocess.Popen([sys.executable, "-c", "import sys; from megarl.rollout import SGLangEngine; "
                               "SGLangEngine(sys.argv[1], startup_timeout_s=100)", model_dirs["tiny-llama"]],
-                             cwd=os.path.dirname(os.path.dirname(__file__)),
+                             cwd=Path(__file__).resolve().parents[3],  # the repository root
                              env=dict(os.environ, TMPDIR=str(tmp_path)))
     try:
         deadline = time.monotonic() + 60
