@@ -7,6 +7,7 @@ A family is data plus a few pure functions; it knows nothing about processes. Pa
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping
 
 import torch
@@ -150,12 +151,7 @@ class ModelFamily:
             )
         if hf.get("mlp_bias", False):
             raise UnsupportedModelError(f"mlp_bias=True is not supported for {self.name}; only False is")
-        rope = hf.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-            raise UnsupportedModelError(
-                f"rope_parameters={rope!r} / rope_scaling={hf.get('rope_scaling')!r}: only the default "
-                f"RoPE (no scaling) is supported for {self.name} so far"
-            )
+        rope_parameters(hf, self.name)  # refuses RoPE variants megarl cannot represent
         known = IGNORED_HF_FIELDS | COMMON_FIELDS | self.extra_fields
         unknown = sorted(k for k in hf if k not in known)
         if unknown:
@@ -214,15 +210,209 @@ class ModelFamily:
         return names
 
     def gpt_model_kwargs(self, hf: Mapping[str, Any]) -> dict:
-        """GPTModel keyword arguments (besides config, spec and pipeline placement)."""
-        rope = hf.get("rope_parameters") or {}
-        return dict(
+        """GPTModel keyword arguments (besides config, spec and pipeline placement); RoPE scaling
+        as mapped in the comment above ``ROPE_TYPES``."""
+        rope = rope_parameters(hf, self.name)
+        theta = rope["rope_theta"]
+        kwargs = dict(
             vocab_size=hf["vocab_size"],
             max_sequence_length=hf.get("max_position_embeddings", 2048),
             share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-            position_embedding_type="rope",
-            rotary_base=int(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            position_embedding_type="yarn" if rope["rope_type"] == "yarn" else "rope",
+            rotary_base=int(theta) if float(theta).is_integer() else float(theta),
         )
+        if rope["rope_type"] == "linear":
+            kwargs["seq_len_interpolation_factor"] = float(rope["factor"])
+        elif rope["rope_type"] == "llama3":
+            kwargs.update(rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
+        return kwargs
+
+    def yarn_config_attributes(self, hf: Mapping[str, Any]) -> dict:
+        """For a yarn model, the ``yarn_*`` attributes its TransformerConfig must carry (GPTModel
+        builds the YarnRotaryEmbedding from them, every attention layer takes its mscale from
+        them); ``{}`` for any other RoPE. Not dataclass fields: set them on the built config."""
+        rope = rope_parameters(hf, self.name)
+        if rope["rope_type"] != "yarn":
+            return {}
+        # HF uses the mscale ratio only when both are non-zero, else get_mscale(factor), which is
+        # megatron's ratio at mscale=1, mscale_all_dim=0 (x / 1.0: the same bits).
+        both = bool(rope.get("mscale") and rope.get("mscale_all_dim"))
+        return dict(
+            yarn_rotary_scaling_factor=float(rope["factor"]),
+            yarn_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            yarn_beta_fast=float(rope.get("beta_fast") or 32),
+            yarn_beta_slow=float(rope.get("beta_slow") or 1),
+            yarn_mscale=float(rope["mscale"]) if both else 1.0,
+            yarn_mscale_all_dim=float(rope["mscale_all_dim"]) if both else 0.0,
+            yarn_correction_range_round_to_int=bool(rope.get("truncate", True)),
+        )
+
+    def llama3_scaling_overrides(self, hf: Mapping[str, Any]) -> dict | None:
+        """For a llama3-RoPE model whose low/high frequency factors or original context differ from
+        megatron-core's hard-coded ones, the keyword arguments of megatron's
+        ``RotaryEmbedding._apply_scaling`` that give the checkpoint's frequencies (applied by
+        parallel.models after build); None when megatron's own build is already exact."""
+        rope = rope_parameters(hf, self.name)
+        if rope["rope_type"] != "llama3":
+            return None
+        values = {key: rope[key] for key in _MEGATRON_LLAMA3}
+        if values == _MEGATRON_LLAMA3:
+            return None
+        return {"factor": rope["factor"], **values}
+
+
+# ----------------------------------------------------------------------------- RoPE scaling
+#
+# The HF RoPE variants megarl maps exactly onto megatron-core (and that SGLang applies too, from
+# the same config.json, through transformers' config: ``rope_parameters`` in transformers 5,
+# aliased as ``rope_scaling``; SGLang's get_rope reads either):
+#
+# - default: GPTModel ``position_embedding_type='rope'``, ``rotary_base=rope_theta``.
+# - linear: GPTModel ``seq_len_interpolation_factor=factor``. megatron multiplies the positions
+#   by 1/factor, HF divides inv_freq by factor: the same angles (identical bits when the factor is
+#   a power of two, otherwise within one float32 rounding of the angle).
+# - llama3: GPTModel ``rope_scaling=True, rope_scaling_factor=factor``. megatron-core's
+#   ``RotaryEmbedding._apply_scaling`` (HF's formula) hard-codes low_freq_factor=1,
+#   high_freq_factor=4, original_max_position_embeddings=8192 (Llama 3.1/3.2/3.3's values); a
+#   checkpoint with other values gets the same ``_apply_scaling`` re-run with its own values right
+#   after the model is built (``llama3_scaling_overrides``, applied by parallel.models).
+# - yarn: GPTModel ``position_embedding_type='yarn'`` plus the TransformerConfig attributes
+#   ``yarn_*`` that GPTModel and the attention read with getattr (``yarn_config_attributes``; they
+#   are not dataclass fields, so parallel.models sets them on the built config). megatron's
+#   YarnRotaryEmbedding computes HF's inv_freq op for op. Its attention factor (HF's
+#   ``attention_factor``, cos/sin times mscale) is not applied by GPTModel's non-MLA path (it drops
+#   the mscale the embedding returns) but by every attention layer: ``apply_rotary_pos_emb(...,
+#   mscale=_yarn_get_concentration_factor_from_config(config))`` on queries and keys, which is
+#   HF's cos*factor, sin*factor on both. That needs ``yarn_rotary_scaling_factor`` on the config,
+#   which is why only a yarn model carries these attributes.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Keys each supported rope_type may carry in rope_parameters / rope_scaling besides
+# rope_type/type and rope_theta; any other key is refused (it would change the math somewhere).
+ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                       "mscale_all_dim", "attention_factor", "truncate"}),
+}
+# RoPE types transformers knows that megarl refuses, and why.
+REFUSED_ROPE_TYPES = {
+    "dynamic": "dynamic NTK changes the frequencies with the current sequence length in HF (and SGLang "
+               "instead uses one fixed base extended to max_position_embeddings*factor at every length); "
+               "megatron-core's embeddings are static, so neither can be matched exactly",
+    "longrope": "megatron-core has no LongRoPE embedding (per-dimension short/long factors)",
+}
+# megatron-core's _apply_scaling defaults (Llama 3.1's values).
+_MEGATRON_LLAMA3 = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
+
+
+def _yarn_mscale(scale: float, mscale: float = 1) -> float:
+    """HF's (and megatron's, SGLang's) ``get_mscale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _is_number(value: Any) -> bool:
+    """A positive JSON number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def rope_parameters(hf: Mapping[str, Any], name: str = "this model") -> dict:
+    """The RoPE an HF config.json describes, read the way transformers reads it, validated.
+
+    Accepts every spelling transformers does: transformers 5's ``rope_parameters`` and
+    transformers 4's ``rope_scaling`` (which wins when both are set, as in transformers), the type
+    under ``rope_type`` or ``type`` (``rope_type`` wins), ``rope_theta`` inside the dict or at the
+    top level (the dict wins; 10000 when absent). Returns a new dict with ``rope_type``,
+    ``rope_theta`` and the type's parameters (``original_max_position_embeddings`` defaulting to
+    ``max_position_embeddings`` for llama3/yarn, as transformers does). Raises
+    UnsupportedModelError naming the field and value for anything megarl cannot represent exactly.
+    The config itself is never modified (export writes it back as read).
+    """
+    scaling, params = hf.get("rope_scaling"), hf.get("rope_parameters")
+    field, given = ("rope_scaling", scaling) if scaling else ("rope_parameters", params)
+    given = given or {}
+    if not isinstance(given, Mapping):
+        raise UnsupportedModelError(f"{field}={given!r} is not a dict; {name} needs a dict like "
+                                    "{'rope_type': 'default', 'rope_theta': 10000.0}")
+    rope = dict(given)
+    rope_type = rope.pop("rope_type", None)
+    legacy_type = rope.pop("type", None)
+    rope_type = rope_type if rope_type is not None else (legacy_type if legacy_type is not None else "default")
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if rope_type not in ROPE_TYPES:
+        why = REFUSED_ROPE_TYPES.get(rope_type, "megarl does not know this RoPE variant")
+        raise UnsupportedModelError(
+            f"{field}.rope_type={rope_type!r} is not supported for {name} ({why}); supported rope types: "
+            f"{list(ROPE_TYPES)}")
+    theta = rope["rope_theta"]
+    if not _is_number(theta):
+        raise UnsupportedModelError(f"{field}.rope_theta={theta!r} is not a positive number; set rope_theta")
+    unknown = sorted(set(rope) - {"rope_theta"} - ROPE_KEYS[rope_type])
+    if unknown:
+        raise UnsupportedModelError(
+            f"{field} has keys {unknown} that megarl cannot map for rope_type={rope_type!r} ({name}); "
+            f"supported keys for {rope_type!r}: {sorted(ROPE_KEYS[rope_type] | {'rope_theta', 'rope_type'})}")
+    if rope_type == "default":
+        return {"rope_type": rope_type, **rope}
+    factor = rope.get("factor")
+    if not (_is_number(factor) and factor >= 1):
+        raise UnsupportedModelError(
+            f"{field}.factor={factor!r} for rope_type={rope_type!r} ({name}): a number >= 1 is required")
+    if rope_type in ("llama3", "yarn"):
+        rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+        original = rope["original_max_position_embeddings"]
+        if not (_is_number(original) and float(original).is_integer()):
+            raise UnsupportedModelError(f"{field}.original_max_position_embeddings={original!r} ({name}): a "
+                                        "positive integer is required")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor"):
+            if not _is_number(rope.get(key)):
+                raise UnsupportedModelError(f"{field}.{key}={rope.get(key)!r} for rope_type='llama3' ({name}): "
+                                            "a positive number is required (Llama 3.1 uses 1.0 and 4.0)")
+        if rope["low_freq_factor"] >= rope["high_freq_factor"]:
+            raise UnsupportedModelError(
+                f"{field}.low_freq_factor={rope['low_freq_factor']!r} >= high_freq_factor="
+                f"{rope['high_freq_factor']!r} ({name}): HF divides by their difference and SGLang "
+                "special-cases it, so only low_freq_factor < high_freq_factor is supported")
+    if rope_type == "yarn":
+        _check_yarn(rope, field, name)
+    return {"rope_type": rope_type, **rope}
+
+
+def _check_yarn(rope: dict, field: str, name: str) -> None:
+    """Refuse yarn parameters on which HF, megatron-core and SGLang would not compute the same."""
+    for key in ("beta_fast", "beta_slow"):
+        # HF reads `beta or default` (0 and None mean the default); SGLang takes the value as given.
+        if key in rope and not _is_number(rope[key]):
+            raise UnsupportedModelError(f"{field}.{key}={rope[key]!r} for rope_type='yarn' ({name}): give a positive "
+                                        f"number or leave it out (default {32 if key == 'beta_fast' else 1})")
+    if not isinstance(rope.get("truncate", True), bool):
+        raise UnsupportedModelError(f"{field}.truncate={rope['truncate']!r} ({name}): true or false")
+    factor, mscale, mscale_all_dim = rope["factor"], rope.get("mscale"), rope.get("mscale_all_dim")
+    hf_factor = yarn_attention_factor(rope)
+    # SGLang's (YaRNScalingRotaryEmbedding): the ratio whenever both are present.
+    sglang_factor = (float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+                     if mscale is not None and mscale_all_dim is not None else _yarn_mscale(factor))
+    if hf_factor != sglang_factor:
+        raise UnsupportedModelError(
+            f"{field}.mscale={mscale!r} with mscale_all_dim={mscale_all_dim!r} ({name}): HF reads a zero mscale "
+            "as absent and SGLang does not, so rollouts would use another attention factor; use both "
+            "non-zero or leave both out")
+    explicit = rope.get("attention_factor")
+    if explicit is not None and explicit != hf_factor:
+        raise UnsupportedModelError(
+            f"{field}.attention_factor={explicit!r} ({name}): SGLang ignores attention_factor and megatron-core "
+            f"derives it from factor/mscale/mscale_all_dim ({hf_factor!r} here); only that value or no "
+            "attention_factor is supported")
+
+
+def yarn_attention_factor(rope: Mapping[str, Any]) -> float:
+    """HF's yarn attention factor (the cos/sin multiplier) of ``rope_parameters``: the ratio of the
+    two mscales when both are non-zero, else get_mscale(factor)."""
+    factor, mscale, mscale_all_dim = rope["factor"], rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
 
 
 COMMON_FIELDS = frozenset(

@@ -29,14 +29,20 @@ def megatron_config(
     from model_specs import family_for
     if cpu_compat.needed():
         config_overrides = {**cpu_compat.GLOO_CONFIG_OVERRIDES, **config_overrides}
-    return TransformerConfig(
-        **family_for(hf_config).transformer_config_kwargs(hf_config),
+    family = family_for(hf_config)
+    config = TransformerConfig(
+        **family.transformer_config_kwargs(hf_config),
         **layout.transformer_config_kwargs(),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         use_cpu_initialization=True,
         **config_overrides,
     )
+    # YaRN: megatron-core's GPTModel and attention read these with getattr; they are not
+    # TransformerConfig fields (model_specs.base: the RoPE mapping).
+    for name, value in family.yarn_config_attributes(hf_config).items():
+        setattr(config, name, value)
+    return config
 
 
 
@@ -97,7 +103,12 @@ def build_model_chunks(
     config = megatron_config(hf_config, layout, params_dtype, **config_overrides)
     model_kwargs = family.gpt_model_kwargs(hf_config)
     model_kwargs["vocab_size"] = padded_vocab_size(model_kwargs["vocab_size"], make_vocab_size_divisible_by, layout.tp)
+    if shared_prompts and model_kwargs["position_embedding_type"] == "yarn":
+        # parallel.modules.shared_prefix.rotary_positions replaces RotaryEmbedding.forward with one
+        # that returns a plain table; GPTModel's yarn path expects (table, mscale) from it.
+        raise ValueError("shared-prompt rows do not support YaRN RoPE (rope_type='yarn') yet; turn shared_prompts off")
     spec = layer_spec(config, layout, packed_sequences, shared_prompts)
+    llama3_overrides = family.llama3_scaling_overrides(hf_config)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
@@ -111,7 +122,20 @@ def build_model_chunks(
                 **model_kwargs,
             )
         )
+        if llama3_overrides:
+            _rescale_llama3_rope(chunks[-1].rotary_pos_emb, config.kv_channels, model_kwargs["rotary_base"],
+                                 llama3_overrides)
     return chunks
+
+
+def _rescale_llama3_rope(rope, dim: int, rotary_base, overrides: Mapping[str, Any]) -> None:
+    """Give a llama3-scaled RotaryEmbedding the checkpoint's low/high frequency factors and original
+    context: megatron-core's own ``_apply_scaling`` (HF's formula) hard-codes 1, 4 and 8192 in its
+    constructor, so it is re-run here on the unscaled frequencies, computed as the constructor does,
+    with the checkpoint's values (model_specs ``llama3_scaling_overrides``). Before any forward:
+    the embedding caches its output per sequence length."""
+    unscaled = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rope.inv_freq.device) / dim))
+    rope.inv_freq = rope._apply_scaling(unscaled, **overrides)
 
 
 

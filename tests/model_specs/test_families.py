@@ -40,10 +40,11 @@ def test_vocab_padding_matches_megatron_rule():
     [
         ({"model_type": "gpt2"}, "supported model types"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "only the default"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type='dynamic' is not supported"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"sliding_window_pattern": 2}, "sliding_window_pattern"),
         ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, "sliding_window=4096"),
+        ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"),  # HF's default context is longer
         ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window=True"),
     ],
 )
