@@ -117,23 +117,63 @@ def _convert(args: argparse.Namespace) -> int:
     from parallel.checkpoint.convert import conversion_on_rank  # megatron's imports (~6 s): only for a valid request
     from parallel.spawn import run_on_ranks
 
-    if under_launcher:  # torchrun / srun: this process is one rank
-        import torch.distributed as dist
+    first = not under_launcher or os.environ.get("RANK") == "0"
+    try:  # every failure: one line, exit status 2, nothing published at --output or left beside it
+        if under_launcher:  # torchrun / srun: this process is one rank
+            import torch.distributed as dist
 
-        from parallel.cpu import compat as cpu_compat
+            from parallel.cpu import compat as cpu_compat
 
-        dist.init_process_group("gloo" if cpu_compat.apply() else "nccl")
-        report = conversion_on_rank(args.direction, args.input, args.output, layout, not args.no_verify)
-        dist.destroy_process_group()
-    else:
-        report = run_on_ranks(conversion_on_rank, world, args.direction, args.input, args.output, layout,
-                              not args.no_verify, timeout_s=args.timeout)[0]
-    if not under_launcher or os.environ.get("RANK") == "0":
+            dist.init_process_group("gloo" if cpu_compat.apply() else "nccl")
+            report = conversion_on_rank(args.direction, args.input, args.output, layout, not args.no_verify)
+            dist.destroy_process_group()
+        else:
+            report = run_on_ranks(conversion_on_rank, world, args.direction, args.input, args.output, layout,
+                                  not args.no_verify, timeout_s=args.timeout)[0]
+    except Exception as error:  # noqa: BLE001 - reported as one line, not a traceback
+        if first:
+            _remove_unpublished(Path(args.output))
+        print(f"megarl convert: {_one_line(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if first:
+            _remove_unpublished(Path(args.output))
+        raise
+    if first:
         probe = (f", {report['peak_rss_bytes'] / 2**20:.0f} MiB with the verification's logit probe"
                  if report["peak_rss_bytes"] > report["conversion_peak_rss_bytes"] else "")
         print(f"megarl convert: done: {report['tensors']} tensors in {report['seconds']:.1f} s, "
               f"peak RSS {report['conversion_peak_rss_bytes'] / 2**20:.0f} MiB converting (largest rank){probe}")
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    """What a failed conversion says: the message of the exception that stopped it (a failed
+    rank's traceback comes down to its last line), without the module path of megarl's own
+    errors (they name the file or tensor and the fix); other exceptions keep their type."""
+    import re
+
+    from parallel.spawn import RankFailedError
+
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if isinstance(error, RankFailedError) and lines:
+        text = lines[-1]  # the traceback's last line: "module.Type: message"
+    elif isinstance(error, (ValueError, TimeoutError)):  # CheckpointError, LayoutError, a timeout
+        text = " ".join(lines)
+    else:
+        text = f"{type(error).__name__}: {' '.join(lines)}"
+    return re.sub(r"^(?:[\w.]+\.)?(?:CheckpointError|LayoutError|UnsupportedModelError): ", "", text) or repr(error)
+
+
+def _remove_unpublished(output) -> None:
+    """After a failed conversion: remove the partial directory beside ``output`` that a rank killed
+    before cleaning up may have left (``output`` itself only ever appears complete and verified:
+    the rename is the conversion's last step)."""
+    import shutil
+
+    from parallel.checkpoint.dist_ckpt import partial_dir
+
+    shutil.rmtree(partial_dir(output), ignore_errors=True)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -267,7 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help=_convert.__doc__, description=_convert.__doc__ + (
         " Runs tp*pp local ranks, or one rank per process under torchrun/srun (WORLD_SIZE/RANK set). "
         "Verification (on by default): every tensor checked against the source, checksums recorded, "
-        "the written checkpoint read back, and a logit probe against HF transformers."))
+        "the written checkpoint read back, and a logit probe against HF transformers over 256 positions "
+        "(or the model's context if shorter), "
+        "all before the output is renamed into place. Exit status: 0 done, 2 refused or failed (one line "
+        "on stderr; nothing is left at or beside --output)."))
     convert.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
     convert.add_argument("--input", required=True, help="HF checkpoint dir, or megarl Megatron checkpoint dir")
     convert.add_argument("--output", required=True, help="new directory (written atomically)")

@@ -184,43 +184,87 @@ def peak_rss_bytes() -> int:
     return int(peak.item())
 
 
-PROBE_TOKENS = torch.tensor([[1, 5, 9, 14, 3, 7, 2, 8]])
+PROBE_POSITIONS = 256
+# The probe's tolerance, relative to the logit scale. Both sides evaluate the same fp32 function
+# in different orders (megatron's fused QKV and gate/up GEMMs, split over TP, its unfused softmax
+# and its RoPE; HF's separate projections and SDPA), so they differ by rounding only: fp32's unit
+# roundoff u = 2**-24 ~ 6e-8 times ~sqrt(n) for a reduction of length n in another order (the
+# longest: the MLP's intermediate size, <= ~9k under the probe's 2e9-parameter cap; the 256
+# positions of attention), summed over the L residual updates (~sqrt(L), L <= ~30 under the cap)
+# and carried into the logits in proportion to their size: ~6e-8 * sqrt(9e3) * sqrt(30) ~ 3e-5 of
+# the largest |logit| at most, usually far less (blocked GEMMs accumulate in many partial sums).
+# Measured over 256 positions: 4e-7 of it on the tiny test models, 2e-6 on 130M-270M-parameter
+# shapes (hidden 1024, intermediate 4096-8192, 4-16 layers, TP 1-2). 1e-4 of the largest |logit|
+# (at least 1e-4, for near-zero logits) sits above all of that, while what the probe exists to
+# catch (a misplaced head or bias, a dropped norm, RoPE with another base or scaling) moves
+# logits by 1e-3 to 1 of their scale at some position (RoPE's base 10000 -> 11000 on a tiny
+# model: 9e-4 of the scale at position 254, 6e-5 over the first 8 positions).
+PROBE_RTOL = 1e-4
+
+
+def probe_tokens(hf: Mapping[str, Any], positions: int | None = None) -> torch.Tensor:
+    """The logit probe's prompt [1, n]: ``positions`` tokens, by default 256 or the model's context
+    (``max_position_embeddings``) if shorter, so an error that grows with position (RoPE's base or
+    scaling) shows; drawn uniformly from the vocabulary by a fixed-seed generator: the same prompt
+    on every rank and every run."""
+    if positions is None:
+        positions = min(PROBE_POSITIONS, hf.get("max_position_embeddings") or PROBE_POSITIONS)
+    return torch.randint(0, hf["vocab_size"], (1, positions), generator=torch.Generator().manual_seed(0))
 
 
 def logit_probe(ckpt_dir: str, layout: MegatronLayout, hf_dir: str, max_params: float = 2e9,
-                atol: float = 1e-4) -> str:
-    """Collective: compare the logits on a fixed prompt of the model megatron's own load builds
-    from ``ckpt_dir`` at ``layout`` with HF transformers' logits of ``hf_dir`` (on the last
-    pipeline stage). The only step of a conversion that holds the model's weights, so it is
-    skipped above ``max_params``. Returns a one-line result."""
+                positions: int | None = None) -> str:
+    """Collective: compare the logits on a fixed prompt (``probe_tokens``) of the model megatron's
+    own load builds from ``ckpt_dir`` at ``layout`` with HF transformers' logits of ``hf_dir`` (on
+    the last pipeline stage), within ``PROBE_RTOL`` of the logit scale. The only step of a
+    conversion that holds the model's weights, so it is skipped above ``max_params``. Returns a
+    one-line result; raises CheckpointError (on every rank) if the logits differ."""
     hf = HFCheckpoint(hf_dir, check_tensors=False)
     vocab = hf.config["vocab_size"]
-    tokens = PROBE_TOKENS % vocab
     n_params = sum(torch.Size(hf.shape(name)).numel() for name in hf.names)
     if n_params > max_params:
         return f"logit probe skipped: {n_params / 1e9:.1f}B parameters exceed the CPU probe limit {max_params / 1e9:.1f}B"
+    tokens = probe_tokens(hf.config, positions)
     from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
     from parallel.models import build_model_chunks
 
     chunks = build_model_chunks(read_checkpoint_metadata(ckpt_dir)["hf_config"], layout)
     load_megatron_checkpoint(chunks, ckpt_dir)
     logits = prompt_logits(chunks, tokens)
-    result = torch.tensor([0.0, 0.0], dtype=torch.float64)  # [max diff, reported]
+    result = torch.zeros(3, dtype=torch.float64)  # [max diff, its position, largest |HF logit|]
     if logits is not None and dist.get_rank() == dist.get_world_size() - 1:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             reference = model(tokens).logits
-        diff = (logits[..., :vocab].float() - reference).abs().max()
-        result = torch.tensor([float(diff), 1.0], dtype=torch.float64)
-    dist.all_reduce(result)
-    if result[0] > atol:
-        raise CheckpointError(f"logit probe failed: max |megatron - HF| = {result[0]:.3g} > {atol}")
-    return f"logit probe passed: max |megatron - HF transformers| = {result[0]:.2g} (atol {atol})"
+        per_position = (logits[..., :vocab].float().cpu() - reference).abs()[0].amax(dim=-1)
+        position = int(per_position.argmax())
+        result = torch.tensor([float(per_position[position]), position, float(reference.abs().max())],
+                              dtype=torch.float64)
+    dist.all_reduce(result)  # one rank contributed
+    diff, position, scale = float(result[0]), int(result[1]), float(result[2])
+    tolerance = PROBE_RTOL * max(1.0, scale)
+    if not diff <= tolerance:  # NaN fails too
+        raise CheckpointError(
+            f"logit probe failed over {tokens.shape[1]} positions: max |megatron - HF transformers| = {diff:.3g} "
+            f"at position {position} > tolerance {tolerance:.2g} ({PROBE_RTOL:g} x max(1, largest |logit| "
+            f"{scale:.3g})); the two models compute different functions from these weights (a config field "
+            f"read differently, or files HF transformers reads differently)")
+    return (f"logit probe passed over {tokens.shape[1]} positions: max |megatron - HF transformers| = {diff:.2g} "
+            f"(tolerance {tolerance:.2g})")
 
 
 PARAMS_DTYPE = torch.float32  # what build_model_chunks holds and the converter stores
+
+
+def _verified(out_dir: str, checks) -> str:
+    """Run ``checks()`` (on a conversion's output in its partial directory) and return its result;
+    a failure names the output that was not written."""
+    try:
+        return checks()
+    except CheckpointError as error:
+        raise CheckpointError(f"{out_dir} not written: {error}") from None
 
 
 def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bool = True) -> dict:
@@ -228,11 +272,12 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
 
     Streams: each rank writes its shards straight from the safetensors files, one shard in
     memory at a time (``parallel.checkpoint.stream``); no rank builds the model's weights, except the
-    logit probe of the verification (capped by model size)."""
+    logit probe of the verification (capped by model size). Verification runs on the complete
+    checkpoint in its partial directory: it is renamed to ``out_dir`` only if every check passed."""
     import time
 
     from parallel.checkpoint.dist_ckpt import write_megatron_checkpoint
-    from parallel.checkpoint.hf_io import tensor_checksum
+    from parallel.checkpoint.hf_io import INDEX_FILE, tensor_checksum
     from parallel.checkpoint.stream import read_hf_tensors, save_streamed
     from parallel.layout import initialize_megatron
 
@@ -241,6 +286,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
     layout.validate(dist.get_world_size(), ckpt.config)
     initialize_megatron(layout)
     _log(f"{hf_dir} -> {out_dir} at tp={layout.tp} pp={layout.pp} vpp={layout.vpp} on {dist.get_world_size()} rank(s)")
+    if ckpt.unindexed_files:
+        _log(f"not reading {[f.name for f in ckpt.unindexed_files]}: {INDEX_FILE} does not list them")
     names = list(hf_tensor_shapes(ckpt.config))
     rank, world = dist.get_rank(), dist.get_world_size()
     shares = [None] * world  # the source's checksums, each rank a share of the tensors
@@ -258,13 +305,19 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
             dist.all_gather_object(every, bad)
             bad = sorted(name for share in every for name in share)
             if bad:
-                raise CheckpointError(f"{out_dir}: tensors read back differ from the source: {bad[:5]}")
+                raise CheckpointError(f"{out_dir} not written: tensors read back differ from the source: {bad[:5]}")
 
-    write_megatron_checkpoint(out_dir, ckpt.config, layout, checksums, write)
+    measured = {}
+
+    def check(directory):  # the complete checkpoint (metadata included), before the rename
+        measured["conversion_peak_rss_bytes"] = peak_rss_bytes()  # before the probe builds the model
+        probe = _verified(out_dir, lambda: logit_probe(str(directory), layout, hf_dir))
+        _log(f"verified: {len(checksums)} tensors read back bit-exact; {probe}")
+
+    write_megatron_checkpoint(out_dir, ckpt.config, layout, checksums, write, check if verify else None)
     _log(f"saved {out_dir} in {time.monotonic() - start:.1f} s")
-    report = {"tensors": len(names), "conversion_peak_rss_bytes": peak_rss_bytes()}
-    if verify:
-        _log(f"verified: {len(checksums)} tensors read back bit-exact; " + logit_probe(out_dir, layout, hf_dir))
+    report = {"tensors": len(names), "conversion_peak_rss_bytes": measured.get("conversion_peak_rss_bytes")
+              or peak_rss_bytes()}
     report.update(seconds=time.monotonic() - start, peak_rss_bytes=peak_rss_bytes())
     return report
 
@@ -273,10 +326,13 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
     """Collective: export a Megatron dist checkpoint (saved at any layout) as an HF checkpoint.
 
     Streams: rank 0 reads one HF tensor at a time from the checkpoint files and writes it; the
-    other ranks only contribute their shard boxes (and take part in the logit probe)."""
+    other ranks only contribute their shard boxes (and take part in the logit probe). The export
+    is written to a partial directory beside ``out_dir`` (``dist_ckpt.partial_dir``), verified
+    there by every rank, and renamed only if every check passed."""
     import time
+    from pathlib import Path
 
-    from parallel.checkpoint.dist_ckpt import read_checkpoint_metadata
+    from parallel.checkpoint.dist_ckpt import partial_dir, read_checkpoint_metadata
     from parallel.checkpoint.hf_io import write_hf_checkpoint
     from parallel.checkpoint.stream import read_hf_tensors, stored_dtype
     from parallel.layout import initialize_megatron
@@ -287,18 +343,32 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
     layout.validate(dist.get_world_size(), hf)
     initialize_megatron(layout)
     _log(f"{ckpt_dir} (saved at {metadata['saved_layout']}) -> {out_dir} via tp={layout.tp} pp={layout.pp}")
+    partial = partial_dir(Path(out_dir))
+    measured = {}
+
+    def check(directory):  # collective: the complete export, before the rename
+        dist.barrier()  # rank 0 has written every file
+        measured["conversion_peak_rss_bytes"] = peak_rss_bytes()  # before the probe builds the model
+
+        def checks():
+            HFCheckpoint(directory)  # every tensor present with the right shape (on every rank: all fail together)
+            return logit_probe(ckpt_dir, layout, str(directory))
+
+        _log(f"verified: key coverage and shapes; {_verified(out_dir, checks)}")
+
     stream = read_hf_tensors(ckpt_dir, hf, layout)
     if stream is not None:
         dtype = stored_dtype(ckpt_dir)
         specs = {name: (shape, dtype) for name, shape in hf_tensor_shapes(hf).items()}
         stream = _matching_checksums(stream, metadata.get("checksums") or {}, ckpt_dir)
-        write_hf_checkpoint(out_dir, hf_config_for_export(hf, dtype), stream, specs)
+        write_hf_checkpoint(out_dir, hf_config_for_export(hf, dtype), stream, specs, partial=partial,
+                            check=check if verify else None)
+    elif verify:
+        check(partial)
     dist.barrier()
     _log(f"wrote {out_dir} in {time.monotonic() - start:.1f} s")
-    report = {"tensors": len(hf_tensor_shapes(hf)), "conversion_peak_rss_bytes": peak_rss_bytes()}
-    if verify:
-        HFCheckpoint(out_dir)  # every tensor present with the right shape
-        _log("verified: key coverage and shapes; " + logit_probe(ckpt_dir, layout, out_dir))
+    report = {"tensors": len(hf_tensor_shapes(hf)),
+              "conversion_peak_rss_bytes": measured.get("conversion_peak_rss_bytes") or peak_rss_bytes()}
     report.update(seconds=time.monotonic() - start, peak_rss_bytes=peak_rss_bytes())
     return report
 

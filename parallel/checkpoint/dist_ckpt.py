@@ -65,9 +65,12 @@ def _write_results_in_this_process() -> None:
 def write_megatron_checkpoint(
     target: str | Path, hf_config: Mapping[str, Any], layout: MegatronLayout,
     checksums: Mapping[str, str] | None, write: Callable[[Path], None],
+    check: Callable[[Path], None] | None = None,
 ) -> Path:
     """Collective: ``write(directory)`` (every rank) the dist checkpoint into a hidden partial
-    directory, add megarl's metadata, and rename it to ``target`` when every rank is done."""
+    directory, add megarl's metadata, ``check(directory)`` (every rank; the complete checkpoint,
+    loadable from the partial directory) and rename it to ``target`` when every rank is done. If
+    ``write`` or ``check`` raises, the partial directory is removed and nothing is published."""
     target = Path(target)
     if target.exists():
         raise CheckpointError(f"{target} already exists; choose a new output directory or remove it")
@@ -79,18 +82,21 @@ def write_megatron_checkpoint(
         partial = partial_dir(target)
         try:
             write(partial)
+            dist.barrier()
+            if first:
+                metadata = {
+                    "format_version": FORMAT_VERSION,
+                    "hf_config": dict(hf_config),
+                    "saved_layout": dataclasses.asdict(layout),
+                    "checksums": dict(checksums or {}),
+                }
+                (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=1, sort_keys=True))
+            if check is not None:
+                dist.barrier()  # the metadata is written
+                check(partial)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)  # a failed save leaves nothing behind
             raise
-        dist.barrier()
-        if first:
-            metadata = {
-                "format_version": FORMAT_VERSION,
-                "hf_config": dict(hf_config),
-                "saved_layout": dataclasses.asdict(layout),
-                "checksums": dict(checksums or {}),
-            }
-            (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=1, sort_keys=True))
     dist.barrier()
     return target
 

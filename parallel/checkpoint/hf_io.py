@@ -1,15 +1,16 @@
 """HF safetensors checkpoints: validated, sliced reads and atomic, streamed writes.
 
 Reading: a checkpoint is checked against its config before any tensor is read (every tensor
-the family expects is present with the right shape, nothing unexpected, headers readable), then
+the family expects is present with the right shape, nothing unexpected, headers readable; the
+files are those ``model.safetensors.index.json`` names when there is one), then
 tensors are read box by box straight from the files (safetensors slices), so a rank that needs a
 shard never loads the whole tensor, let alone the model.
 
 Writing: tensors are streamed into size-bounded safetensors shards inside a temporary directory
 next to the target (each file's header is written from the expected shapes first, then every
 tensor as it arrives, so one tensor is in memory at a time), with an index and per-tensor
-checksums; the directory is renamed into place only when complete, so a failed export never
-leaves a half-written checkpoint.
+checksums; the directory is renamed into place only when complete (and, with ``check``, verified
+where it was written), so a failed export never leaves a half-written or unverified checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -57,44 +58,96 @@ def tensor_checksum(tensor: torch.Tensor, algorithm=hashlib.sha256) -> str:
     return digest.hexdigest()
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
 class HFCheckpoint:
-    """A local HF checkpoint directory (config.json + *.safetensors), validated on open."""
+    """A local HF checkpoint directory (config.json + *.safetensors), validated on open.
+
+    Which files hold the weights: with ``model.safetensors.index.json``, as HF transformers reads
+    it, exactly the shards its weight_map names, each tensor from the file the index gives it
+    (other ``*.safetensors`` beside them, e.g. shards of an older save, are not read; they are
+    listed in ``unindexed_files``). Without an index, every ``*.safetensors`` file (HF transformers
+    would read ``model.safetensors`` alone; the conversion's logit probe notices the difference),
+    and a tensor in two of them is refused rather than settled by file order."""
 
     def __init__(self, path: str | os.PathLike, check_tensors: bool = True):
-        from safetensors import safe_open
-
         self.path = Path(path)
         config_path = self.path / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path} does not exist; point to an HF checkpoint directory")
         self.config: dict[str, Any] = json.loads(config_path.read_text())
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"no *.safetensors files in {self.path}; only safetensors checkpoints are supported")
         self._file_of: dict[str, Path] = {}
         self._shape_of: dict[str, tuple[int, ...]] = {}
         self._dtype_of: dict[str, str] = {}
         self._start_of: dict[str, int] = {}  # byte offset of the tensor's data in its file
-        for file in files:
-            try:
-                with safe_open(str(file), framework="pt") as handle:  # validates header and sizes
-                    for name in handle.keys():
-                        info = handle.get_slice(name)
-                        self._file_of[name] = file
-                        self._shape_of[name] = tuple(info.get_shape())
-                        self._dtype_of[name] = info.get_dtype()
-                with open(file, "rb") as raw:
-                    header_size = int.from_bytes(raw.read(8), "little")
-                    header = json.loads(raw.read(header_size))
-                for name, entry in header.items():
-                    if name != "__metadata__":
-                        self._start_of[name] = 8 + header_size + entry["data_offsets"][0]
-            except Exception as error:  # safetensors raises its own error types
-                raise CheckpointError(
-                    f"{file} is not a readable safetensors file ({error}); re-download or re-export it"
-                ) from error
+        present = sorted(self.path.glob("*.safetensors"))
+        index_path = self.path / INDEX_FILE
+        if index_path.is_file():
+            weight_map = self._read_index(index_path)
+            files = [self.path / name for name in sorted(set(weight_map.values()))]
+            for file in files:
+                if not file.is_file():
+                    raise CheckpointError(
+                        f"{index_path} names {file.name}, which is missing from {self.path}; the download or "
+                        f"copy is incomplete: fetch every shard the index lists (or remove a stale index)")
+            headers = {file: self._read_header(file) for file in files}
+            for name, file_name in weight_map.items():
+                file = self.path / file_name
+                if name not in headers[file]:
+                    raise CheckpointError(
+                        f"{index_path} maps tensor {name} to {file_name}, which does not hold it: the index and "
+                        f"the shards are from different saves; re-download or re-export the checkpoint")
+                self._add(name, file, headers[file][name])
+            self.unindexed_files = [file for file in present if file not in headers]
+        else:
+            if not present:
+                raise CheckpointError(f"no *.safetensors files in {self.path}; only safetensors checkpoints are supported")
+            for file in present:
+                for name, entry in self._read_header(file).items():
+                    if name in self._file_of:
+                        raise CheckpointError(
+                            f"tensor {name} is in both {self._file_of[name].name} and {file.name} in {self.path} "
+                            f"(no {INDEX_FILE} says which to read): remove the stale file, or add the index "
+                            f"the checkpoint was saved with")
+                    self._add(name, file, entry)
+            self.unindexed_files = []
         if check_tensors:
             self.check_against_config()
+
+    def _read_index(self, index_path: Path) -> dict[str, str]:
+        """The index's weight_map: tensor name -> shard file name (in this directory)."""
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index_path} is not a safetensors index ({error!r}); re-download it") from error
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) and Path(v).name == v for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names in {self.path}")
+        return weight_map
+
+    @staticmethod
+    def _read_header(file: Path) -> dict[str, tuple[tuple[int, ...], str, int]]:
+        """name -> (shape, safetensors dtype, byte offset of the data) of every tensor in ``file``,
+        validated by safetensors (header and sizes)."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                info = {name: handle.get_slice(name) for name in handle.keys()}
+                shapes = {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in info.items()}
+            with open(file, "rb") as raw:
+                header_size = int.from_bytes(raw.read(8), "little")
+                header = json.loads(raw.read(header_size))
+            return {name: (*shapes[name], 8 + header_size + header[name]["data_offsets"][0]) for name in shapes}
+        except Exception as error:  # safetensors raises its own error types
+            raise CheckpointError(
+                f"{file} is not a readable safetensors file ({error}); re-download or re-export it"
+            ) from error
+
+    def _add(self, name: str, file: Path, entry: tuple[tuple[int, ...], str, int]) -> None:
+        self._file_of[name] = file
+        self._shape_of[name], self._dtype_of[name], self._start_of[name] = entry
 
     @property
     def names(self) -> list[str]:
@@ -180,6 +233,8 @@ def write_hf_checkpoint(
     tensors: Iterable[tuple[str, torch.Tensor]],
     specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     max_shard_bytes: int = 2 << 30,
+    partial: str | os.PathLike | None = None,
+    check: Callable[[Path], None] | None = None,
 ) -> dict[str, str]:
     """Stream ``(name, tensor)`` pairs into an HF checkpoint at ``target`` (atomically).
 
@@ -188,6 +243,10 @@ def write_hf_checkpoint(
     one tensor is held, whatever ``max_shard_bytes`` is. A tensor out of order or with another
     shape or dtype fails the write. Returns name -> checksum, which is also written to
     ``megarl_checksums.json`` inside the checkpoint.
+
+    ``partial``: the fixed name of the temporary directory beside ``target`` (``atomic_directory``);
+    ``check(directory)``: called on the complete checkpoint in the temporary directory, before the
+    rename; if it raises, nothing is published.
     """
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     shard_bytes = 0
@@ -202,7 +261,7 @@ def write_hf_checkpoint(
              else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     expected = iter([(file, entry) for file, shard in zip(files, shards) for entry in shard])
     checksums: dict[str, str] = {}
-    with atomic_directory(target) as tmp:
+    with atomic_directory(target, partial=partial) as tmp:
         handle, current = None, None
         try:
             for name, tensor in tensors:
@@ -229,7 +288,9 @@ def write_hf_checkpoint(
             weight_map = {name: file for file, shard in zip(files, shards) for name, _, _ in shard}
             total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=1, sort_keys=True))
+        if check is not None:
+            check(tmp)
     return checksums

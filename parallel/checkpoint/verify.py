@@ -6,7 +6,8 @@ Megatron checkpoint from its files through ``parallel.checkpoint.stream``), so t
 most one tensor per side in memory; only the logits build the model (megatron's own load at the
 verification layout). Reported: configs that differ, tensors
 missing on either side, tensors that differ (with their max abs difference), recorded checksums
-that no longer match the data, and the max logit difference on a fixed prompt.
+that no longer match the data, and the max logit difference on the conversion's probe prompt
+(``convert.probe_tokens``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.convert import PROBE_TOKENS
+from parallel.checkpoint.convert import probe_tokens
 from parallel.checkpoint.dist_ckpt import METADATA_FILE, load_megatron_checkpoint, read_checkpoint_metadata
 from parallel.checkpoint.errors import CheckpointError
 from parallel.checkpoint.hf_io import CHECKSUMS_FILE, HFCheckpoint, tensor_checksum
@@ -97,7 +98,7 @@ def verify_pair(path_a: str, path_b: str, layout: MegatronLayout) -> dict[str, A
         if ta.shape != tb.shape or not torch.equal(ta.float(), tb.float()):
             diff = float((ta.float() - tb.float()).abs().max()) if ta.shape == tb.shape else float("inf")
             report["different_tensors"][name] = diff
-    tokens = PROBE_TOKENS % a.config["vocab_size"]
+    tokens = probe_tokens(a.config)  # the conversion's probe prompt (256 positions, or the context)
     la, lb = a.logits(tokens), b.logits(tokens)
     # The last global rank is on the last pipeline stage, where both sides have logits.
     last = dist.get_rank() == dist.get_world_size() - 1

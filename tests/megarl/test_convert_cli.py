@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +166,31 @@ def test_conversion_under_torchrun_writes_the_same_checkpoint(hf_dir, megatron_c
     ours = json.loads((ckpt / "megarl_checkpoint.json").read_text())["checksums"]
     local = json.loads((megatron_ckpt[0] / "megarl_checkpoint.json").read_text())["checksums"]
     assert ours == local
+
+
+def _only_error_line(result, expected):
+    """A failed conversion reports one line on stderr (the ranks' own log lines aside), no traceback."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("megarl convert: ")]
+    assert len(errors) == 1 and expected in errors[0], output[-3000:]
+    return errors[0]
+
+
+def test_failed_logit_probe_hf_to_megatron_exits_2_and_leaves_nothing(hf_dir, tmp_path):
+    """The weights in two files without an index (model.safetensors without lm_head, lm_head in
+    lm_head.safetensors, as when a head is saved separately): megarl reads both files and
+    converts the real lm_head; HF transformers loads model.safetensors only and initialises
+    lm_head at random. The converted model is then not what HF computes from this directory,
+    the logit probe says so, and the conversion must fail with one line and leave no output,
+    no partial directory (it used to print a traceback and leave a complete-looking checkpoint)."""
+    split = tmp_path / "split-hf"
+    split.mkdir()
+    (split / "config.json").write_text((Path(hf_dir) / "config.json").read_text())
+    tensors = load_file(f"{hf_dir}/model.safetensors")
+    save_file({"lm_head.weight": tensors.pop("lm_head.weight")}, str(split / "lm_head.safetensors"))
+    save_file(tensors, str(split / "model.safetensors"))
+    result = convert("hf-to-megatron", "--input", str(split), "--output", str(tmp_path / "out"), "--tp", "2")
+    _only_error_line(result, "logit probe failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["split-hf"]

@@ -59,3 +59,30 @@ def checkpoint_logits(hf_dir, ckpt_dir, layout_kwargs, tokens):
     logits = megatron_logits(chunks, tokens)
     parallel_state.destroy_model_parallel()
     return logits
+
+
+def convert(direction, source, target, layout_kwargs, verify=True):
+    """One rank of ``megarl convert`` (``parallel.checkpoint.convert.conversion_on_rank``)."""
+    from parallel.checkpoint.convert import conversion_on_rank
+    from parallel.layout import MegatronLayout
+
+    return conversion_on_rank(direction, source, target, MegatronLayout(**layout_kwargs), verify)
+
+
+def logit_probe(ckpt_dir, hf_dir, layout_kwargs, **probe_kwargs):
+    """The conversion's logit probe of a Megatron checkpoint against an HF one: its one-line
+    result, or ``FAILED: <message>`` when it refuses the pair."""
+    from megatron.core import parallel_state
+
+    from parallel.checkpoint.convert import logit_probe
+    from parallel.checkpoint.errors import CheckpointError
+    from parallel.layout import MegatronLayout, initialize_megatron
+
+    layout = MegatronLayout(**layout_kwargs)
+    initialize_megatron(layout)
+    try:
+        return logit_probe(ckpt_dir, layout, hf_dir, **probe_kwargs)
+    except CheckpointError as error:
+        return f"FAILED: {error}"
+    finally:
+        parallel_state.destroy_model_parallel()

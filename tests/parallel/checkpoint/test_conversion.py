@@ -101,3 +101,24 @@ def test_megatron_checkpoint_loads_at_another_layout_with_identical_logits(sourc
     saved_logits = next(x for x in saved if x is not None)
     loaded_logits = next(x for x in loaded if x is not None)
     torch.testing.assert_close(loaded_logits, saved_logits, atol=1e-6, rtol=0)
+
+
+def test_logit_probe_catches_an_error_that_grows_with_position(tiny_hf_model, tmp_path):
+    """RoPE with another base in the Megatron model than in HF's: the stored hf_config of a correct
+    conversion given rope_theta 10000 -> 11000, as a converter that misread a RoPE parameter
+    would write it. q and k are rotated by slightly other angles, an error that is zero at
+    position 0 and grows with position (as a dropped RoPE scaling does): over the first 8
+    positions (the old probe's length) it stays below the tolerance, over 256 it is caught."""
+    hf_dir = tiny_hf_model("tiny-llama", seed=6)
+    ckpt = tmp_path / "mg"
+    run_on_ranks(rank_fns.convert, 1, "hf-to-megatron", hf_dir, str(ckpt), {}, False, timeout_s=240)
+    assert run_on_ranks(rank_fns.logit_probe, 1, str(ckpt), hf_dir, {}, timeout_s=240)[0].startswith(
+        "logit probe passed over 256 positions")
+    meta_file = ckpt / "megarl_checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    meta["hf_config"]["rope_parameters"]["rope_theta"] = 11000.0
+    meta_file.write_text(json.dumps(meta))
+    short = run_on_ranks(rank_fns.logit_probe, 1, str(ckpt), hf_dir, {}, positions=8, timeout_s=240)[0]
+    assert short.startswith("logit probe passed over 8 positions"), short
+    result = run_on_ranks(rank_fns.logit_probe, 2, str(ckpt), hf_dir, {"pp": 2}, timeout_s=240)[-1]
+    assert result.startswith("FAILED: logit probe failed over 256 positions"), result
