@@ -12,7 +12,8 @@ def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_b
     ``batching``: MicroBatching options, e.g. {"packed": True} (thd rows) or {"shared_prompts": True}."""
     from megarl.config.schema import OptimSettings
     from megarl.workers.batch import MicroBatching, response_mask
-    from megarl.workers.megatron_worker import LossSettings, MegatronWorker, ModelSpec
+    from megarl.workers.losses import LossSettings
+    from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
     from parallel.layout import MegatronLayout
 
     layout = MegatronLayout(**layout_kwargs)
