@@ -53,6 +53,24 @@
 #   MEGARL_RAY_STOP=0          1: also run `ray stop --force` on every node at the end. Off by default:
 #                              the Ray steps are ended through Slurm, which ends every process they
 #                              started; `ray stop` would also stop any other Ray of this user on the node.
+#   MEGARL_CHECK_CONFIG=1      0 skips `megarl check-config` of a `megarl train ...` driver before
+#                              anything starts (a bad config or override fails the job in seconds)
+#   MEGARL_RAY_STOP_WAIT=30    seconds the Ray steps get to end through Slurm at teardown
+#   MEGARL_NODE_CHECK_TIMEOUT=30 seconds one node check (srun --overlap, or MEGARL_NODE_SHELL) may take
+#   MEGARL_NODE_SHELL='CMD {node}'  how to run a command on a node without Slurm, for the teardown
+#                              check of a node Slurm cannot reach (its slurmd died): e.g.
+#                              'ssh -o BatchMode=yes {node}'; the check script goes to its stdin
+#                              (`CMD bash -s -- ARGS`). Default: none (such a node is reported as
+#                              unverified and the job fails).
+#
+# Teardown is verified: every process a `ray start` step starts (raylet, GCS, agents, workers)
+# carries MEGARL_RAY_STEP=<job id>:<node> in its environment and stays in the step's process group
+# (recorded per node once Ray is up). After the Ray steps are ended through Slurm, a check on each
+# node (srun --overlap; else MEGARL_NODE_SHELL) lists the live processes whose environment carries
+# both that marker and this SLURM_JOB_ID, or that are in such a process's or a recorded process
+# group, or descend from one, SIGTERMs/SIGKILLs exactly those, and reports per node what it
+# stopped and what is left. A node left with such processes,
+# or one that cannot be checked, is named and makes the job's exit status non-zero.
 set -uo pipefail
 
 log() { echo "[ray_on_slurm $(date +%H:%M:%S)] $*"; }
@@ -79,6 +97,9 @@ DRIVER_GRACE=${MEGARL_DRIVER_GRACE:-600}
 RAY_NUM_CPUS=${MEGARL_RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-}}
 GPUS_PER_NODE=${MEGARL_GPUS_PER_NODE:-${SLURM_GPUS_PER_NODE:-}}
 GPUS_PER_NODE=${GPUS_PER_NODE##*:}  # "h100:8" -> 8
+RAY_STOP_WAIT=${MEGARL_RAY_STOP_WAIT:-30}
+NODE_CHECK_TIMEOUT=${MEGARL_NODE_CHECK_TIMEOUT:-30}
+NODE_STOP_GRACE=10  # seconds between SIGTERM and SIGKILL of leftover Ray processes on a node
 
 if [ -n "${MEGARL_VENV:-}" ]; then
   export VIRTUAL_ENV=$MEGARL_VENV PATH="$MEGARL_VENV/bin:$PATH"
@@ -97,6 +118,78 @@ DRIVER_TASK=(bash -c 'eval "$MEGARL_ACTIVATE" || exit 3; trap "" USR2; "$@" & ch
 # This node's IP: of MEGARL_NET_IFACE, else the first address of its host name.
 NODE_IP='if [ -n "${MEGARL_NET_IFACE:-}" ]; then ip -4 -o addr show dev "$MEGARL_NET_IFACE" | awk "{print \$4}" | cut -d/ -f1 | head -n1; else hostname --ip-address | awk "{print \$1}"; fi'
 eval "$MEGARL_ACTIVATE" || { err "MEGARL_ACTIVATE failed on the batch node $(hostname)"; exit 3; }
+
+# The per-node check of the teardown (and of the start-up record), run on a node by
+# `bash -c "$NODE_CHECK" node-check JOB NODE MODE GRACE GROUPS` (srun) or `bash -s -- JOB NODE MODE GRACE GROUPS`
+# (MEGARL_NODE_SHELL). It only reads /proc and signals the processes whose environment carries both
+# SLURM_JOB_ID=JOB and MEGARL_RAY_STEP=JOB:NODE (what this job's `ray start` step on NODE started),
+# the other members of their process groups and of the groups recorded at start (GROUPS,
+# "NODE:PGID,PGID ..."; Ray's agents overwrite their environment with their process title), and
+# their descendants; nothing else is touched. Prints "NODE found|stopped|left PID NAME", "NODE clean", then "NODE done".
+#   MODE list: the processes found;  MODE stop: SIGTERM them, SIGKILL what is left after GRACE s.
+NODE_CHECK='
+job=$1 node=$2 mode=$3 grace=${4:-10}
+[ "$node" = - ] && node=${SLURMD_NODENAME:-$(hostname -s)}
+groups=""  # process groups recorded at start (list mode prints them as "NODE group PGID"); $5: "NODE:PGID,PGID ..."
+for entry in ${5:-}; do [ "${entry%%:*}" = "$node" ] && groups=${entry#*:}; done
+procs() {  # the marked processes, the rest of their process groups and of the recorded ones, and their descendants
+  local files marked
+  files=$(grep -lszxF -e "MEGARL_RAY_STEP=$job:$node" /proc/[0-9]*/environ)  # (status 2: unreadable files)
+  [ -n "$files" ] && marked=$(grep -lszxF -e "SLURM_JOB_ID=$job" $files | cut -d/ -f3 | tr "\n" " ")
+  cat /proc/[0-9]*/stat 2>/dev/null | awk -v marked="${marked:-}" -v groups="$groups" -v self=$$ "$SELECT"
+}
+# Over /proc/*/stat ("pid (comm) state ppid pgrp ..."): a process group outlives its leader and its
+# id is not reused while it has members, so a recorded one still names only processes of this step
+# (e.g. agents whose title overwrote their environment, orphaned when raylet was killed).
+SELECT='"'"'
+  { pid = $1; sub(/^.*\) /, ""); if ($1 == "Z" || pid == self) next; ppid[pid] = $2; pgrp[pid] = $3 }
+  END {
+    n = split(marked, m, " "); for (i = 1; i <= n; i++) if (m[i] in ppid) { sel[m[i]] = 1; grp[pgrp[m[i]]] = 1 }
+    n = split(groups, g, ","); for (i = 1; i <= n; i++) if (g[i] != "") grp[g[i]] = 1
+    for (p in ppid) if (pgrp[p] in grp) sel[p] = 1
+    do { more = 0; for (p in ppid) if (!(p in sel) && (ppid[p] in sel)) { sel[p] = 1; more = 1 } } while (more)
+    for (p in sel) print p
+  }'"'"'
+name() {
+  local w=()
+  read -r -a w < <(tr "\0" " " < "/proc/$1/cmdline" 2>/dev/null | cut -c1-300) || true
+  case "${w[0]##*/}" in
+    python*|bash|sh)  # the script (or module) it runs, not the interpreter
+      local i=1
+      while [[ ${w[i]:-} == -* && ${w[i]} != -m ]]; do i=$((i + 1)); done
+      [ "${w[i]:-}" = -m ] && i=$((i + 1))
+      [ -n "${w[i]:-}" ] && w=("${w[@]:i}") ;;
+  esac
+  local word=${w[0]:-?}
+  case "$word" in
+    */ray) echo "ray ${w[1]:-}" ;;
+    */*.py) local dir=${word%/*}; echo "${dir##*/}/${word##*/}" ;;
+    *) echo "${word##*/}" ;;
+  esac
+}
+declare -A NAME=()
+found=($(procs | sort -n))
+for pid in "${found[@]}"; do NAME[$pid]=$(name "$pid"); done
+if [ "$mode" = list ] || [ ${#found[@]} -eq 0 ]; then
+  for pid in "${found[@]}"; do echo "$node found $pid ${NAME[$pid]}"; done
+  [ "$mode" = list ] && for pid in "${found[@]}"; do sed "s/^.*) //" "/proc/$pid/stat" | awk -v n="$node" "{print n, \"group\", \$3}"; done | sort -u
+  [ ${#found[@]} -eq 0 ] && echo "$node clean"
+  echo "$node done"; exit 0
+fi
+now=($(procs))  # found again just before the signal: only processes that still carry the marker
+[ ${#now[@]} -gt 0 ] && kill -TERM "${now[@]}" 2>/dev/null
+end=$((SECONDS + grace))
+while [ -n "$(procs)" ] && [ $SECONDS -lt $end ]; do sleep 0.5; done
+rest=($(procs))
+[ ${#rest[@]} -gt 0 ] && kill -KILL "${rest[@]}" 2>/dev/null
+end=$((SECONDS + 5))
+while [ -n "$(procs)" ] && [ $SECONDS -lt $end ]; do sleep 0.5; done
+declare -A LEFT=()
+for pid in $(procs); do LEFT[$pid]=1; [ -n "${NAME[$pid]:-}" ] || NAME[$pid]=$(name "$pid"); done
+for pid in "${found[@]}"; do [ -z "${LEFT[$pid]:-}" ] && echo "$node stopped $pid ${NAME[$pid]}"; done
+for pid in "${!LEFT[@]}"; do echo "$node left $pid ${NAME[$pid]}"; done
+echo "$node done"
+'
 
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 N=${#NODES[@]}
@@ -142,6 +235,107 @@ stop_driver() {
   fi
 }
 
+# node_checks MODE NODE...: runs NODE_CHECK on each node, through one srun step over all of them,
+# then one srun per node that did not answer, then MEGARL_NODE_SHELL for the ones still silent.
+# Fills CHECK_LINES[node] (its report lines), CHECK_VIA[node] (srun | node shell; empty: not
+# reached) and CHECK_WHY[node] (why it was not reached).
+declare -A CHECK_LINES=() CHECK_VIA=() CHECK_WHY=()
+node_checks() {
+  local mode=$1; shift
+  local nodes=("$@") node tmp pids=() missing=() limit=$((NODE_CHECK_TIMEOUT + NODE_STOP_GRACE + 5))
+  tmp=$(mktemp -d "${TMPDIR:-/tmp}/megarl-check-$SLURM_JOB_ID.XXXXXX")
+  CHECK_LINES=(); CHECK_VIA=(); CHECK_WHY=()
+  local groups=""  # "NODE:PGID,PGID ..." of the start-up record
+  for node in "${nodes[@]}"; do [ -n "${START_GROUPS[$node]:-}" ] && groups+="$node:${START_GROUPS[$node]} "; done
+  answered() { grep -q "^$1 done\$" "$2" 2>/dev/null; }
+  timeout -k 5 "$limit" srun --overlap --nodes=${#nodes[@]} --ntasks-per-node=1 -w "$(IFS=,; echo "${nodes[*]}")" \
+    --kill-on-bad-exit=0 bash -c "$NODE_CHECK" node-check "$SLURM_JOB_ID" - "$mode" "$NODE_STOP_GRACE" "$groups" \
+    >"$tmp/all" 2>"$tmp/all.err" </dev/null
+  local still=() failed
+  for node in "${nodes[@]}"; do
+    if answered "$node" "$tmp/all"; then
+      CHECK_VIA[$node]=srun; CHECK_LINES[$node]=$(grep "^$node " "$tmp/all")
+    elif failed=$(grep -m1 "failed on node $node:" "$tmp/all.err"); then
+      CHECK_WHY[$node]="srun cannot reach it (${failed#srun: error: })"  # no second try
+      still+=("$node")
+    else
+      missing+=("$node")
+    fi
+  done
+  for node in "${missing[@]}"; do  # a second try, one step per node
+    timeout -k 5 "$limit" srun --overlap --nodes=1 --ntasks=1 -w "$node" --kill-on-bad-exit=0 \
+      bash -c "$NODE_CHECK" node-check "$SLURM_JOB_ID" "$node" "$mode" "$NODE_STOP_GRACE" "$groups" \
+      >"$tmp/$node.srun" 2>"$tmp/$node.srun.err" </dev/null &
+    pids+=($!)
+  done
+  [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}" 2>/dev/null
+  for node in "${missing[@]}"; do
+    if answered "$node" "$tmp/$node.srun"; then
+      CHECK_VIA[$node]=srun; CHECK_LINES[$node]=$(grep "^$node " "$tmp/$node.srun")
+    else
+      failed=$(grep -m1 "error:" "$tmp/$node.srun.err" || grep -v '^ *$' "$tmp/$node.srun.err" | tail -n 1)
+      CHECK_WHY[$node]="srun cannot reach it (${failed:-no answer within ${limit}s})"
+      still+=("$node")
+    fi
+  done
+  [ ${#still[@]} -eq 0 ] && { rm -rf "$tmp"; return 0; }
+  if [ ${#still[@]} -gt 0 ] && [ -n "${MEGARL_NODE_SHELL:-}" ]; then
+    pids=()
+    for node in "${still[@]}"; do
+      local shell=()
+      read -r -a shell <<<"${MEGARL_NODE_SHELL//\{node\}/$node}"
+      timeout -k 5 "$limit" "${shell[@]}" bash -s -- "$SLURM_JOB_ID" "$node" "$mode" "$NODE_STOP_GRACE" "$node:${START_GROUPS[$node]:-}" \
+        <<<"$NODE_CHECK" >"$tmp/$node.shell" 2>"$tmp/$node.shell.err" &
+      pids+=($!)
+    done
+    wait "${pids[@]}" 2>/dev/null
+    for node in "${still[@]}"; do
+      if answered "$node" "$tmp/$node.shell"; then
+        CHECK_VIA[$node]="MEGARL_NODE_SHELL"; CHECK_LINES[$node]=$(grep "^$node " "$tmp/$node.shell")
+      else
+        CHECK_WHY[$node]+="; MEGARL_NODE_SHELL failed: $(grep -v '^ *$' "$tmp/$node.shell.err" | tail -n 1 | cut -c1-200)"
+      fi
+    done
+  elif [ ${#still[@]} -gt 0 ]; then
+    for node in "${still[@]}"; do CHECK_WHY[$node]+="; no MEGARL_NODE_SHELL to reach it otherwise"; done
+  fi
+  rm -rf "$tmp"
+}
+
+# "PID NAME, PID NAME" of a node's report lines of one kind (found, stopped, left).
+procs_of() { awk -v k="$2" '$2 == k {$1 = $2 = ""; sub(/^ +/, ""); printf "%s%s", sep, $0; sep = ", "}' <<<"${CHECK_LINES[$1]:-}"; }
+
+declare -A START_PROCS=() START_GROUPS=()  # node -> its Ray processes / their process groups, once all joined
+TEARDOWN_FAILED=0
+# After the Ray steps were ended through Slurm: check every node that ran one, stop what is left
+# there (by the job's marker only), and report per node. Sets TEARDOWN_FAILED when something may remain.
+verify_ray_stopped() {
+  local nodes=() node clean=() bad=() stopped left
+  for node in "${NODES[@]}"; do [ -n "${RAY_SRUN[$node]:-}" ] && nodes+=("$node"); done
+  node_checks stop "${nodes[@]}"
+  for node in "${nodes[@]}"; do
+    if [ -z "${CHECK_VIA[$node]:-}" ]; then
+      err "$node: cannot verify that this job's Ray processes ended there: ${CHECK_WHY[$node]}." \
+        "Ray processes recorded there at start: ${START_PROCS[$node]:-none recorded}; they may still be running"
+      bad+=("$node"); continue
+    fi
+    stopped=$(procs_of "$node" stopped); left=$(procs_of "$node" left)
+    [ -n "$stopped" ] && log "$node: Slurm did not end this job's Ray there; stopped (via ${CHECK_VIA[$node]}): $stopped"
+    if [ -n "$left" ]; then
+      err "$node: Ray processes of this job still running after SIGTERM and SIGKILL (via ${CHECK_VIA[$node]}): $left"
+      bad+=("$node")
+    else
+      clean+=("$node")
+    fi
+  done
+  if [ ${#bad[@]} -gt 0 ]; then
+    TEARDOWN_FAILED=1
+    err "teardown: Ray processes of job $SLURM_JOB_ID may be left on ${bad[*]} (see above)${clean[*]:+; none left on ${clean[*]}}"
+  else
+    log "Ray is down: no Ray process of job $SLURM_JOB_ID left on ${clean[*]}"
+  fi
+}
+
 cleanup() {
   [ "$CLEANED" = 1 ] && return 0
   CLEANED=1
@@ -150,23 +344,37 @@ cleanup() {
   local pids=() node
   for node in "${!RAY_SRUN[@]}"; do alive "${RAY_SRUN[$node]}" && pids+=("${RAY_SRUN[$node]}"); done
   if [ ${#pids[@]} -gt 0 ]; then
-    log "stopping Ray on ${!RAY_SRUN[*]}"
+    local ray_nodes=()
+    for node in "${NODES[@]}"; do [ -n "${RAY_SRUN[$node]:-}" ] && ray_nodes+=("$node"); done
+    log "stopping Ray on ${ray_nodes[*]}"
     # SIGTERM to an srun ends its job step: Slurm stops `ray start --block` and every process it
-    # started (raylet, GCS, workers), on that node.
+    # started (raylet, GCS, workers), on that node - if it can reach the node (verified below).
     kill -TERM "${pids[@]}" 2>/dev/null
-    wait_gone 30 "${pids[@]}"
-    for pid in "${pids[@]}"; do alive "$pid" && kill -KILL "$pid" 2>/dev/null; done
+    wait_gone "$RAY_STOP_WAIT" "${pids[@]}"
+    for node in "${ray_nodes[@]}"; do
+      alive "${RAY_SRUN[$node]}" || continue
+      log "$node: its Ray step did not end through Slurm within ${RAY_STOP_WAIT}s (MEGARL_RAY_STOP_WAIT): killing its srun"
+      kill -KILL "${RAY_SRUN[$node]}" 2>/dev/null
+      { wait "${RAY_SRUN[$node]}"; } 2>/dev/null  # (no "Killed" notice from bash)
+    done
   fi
   if [ "${MEGARL_RAY_STOP:-0}" = 1 ] && [ ${#RAY_SRUN[@]} -gt 0 ]; then
     timeout 60 srun --overlap --nodes="$N" --ntasks-per-node=1 "${ON_NODE[@]}" ray stop --force >/dev/null 2>&1 || true
   fi
+  [ ${#RAY_SRUN[@]} -gt 0 ] && verify_ray_stopped
   local rest
   rest=$(jobs -pr)
   [ -n "$rest" ] && kill -KILL $rest 2>/dev/null
   wait 2>/dev/null
-  log "Ray is down"
 }
-trap cleanup EXIT
+on_exit() {
+  local rc=$?
+  cleanup
+  [ "$TEARDOWN_FAILED" = 1 ] && [ "$rc" -eq 0 ] && rc=1
+  log "exit status $rc"
+  exit "$rc"
+}
+trap on_exit EXIT
 on_usr1() {
   PREEMPTED=1
   alive "$DRIVER_PID" && PREEMPTED_DURING_RUN=1
@@ -210,6 +418,19 @@ check_stop() {  # after a signal during bring-up: nothing ran yet, so requeue (U
   return 0
 }
 
+# ---------------------------------------------------------------- the driver's config
+# `megarl train <config> [overrides]`: validated here first (its data files too), so a wrong
+# config or override fails the job in seconds, before the preflight and Ray.
+if [ "${MEGARL_CHECK_CONFIG:-1}" = 1 ] && [ "${1:-}" = megarl ] && [ "${2:-}" = train ]; then
+  check_args=()
+  for arg in "${@:3}"; do [ "$arg" = --no-export ] || check_args+=("$arg"); done
+  log "checking the config: megarl check-config ${check_args[*]}"
+  run_bg_wait timeout --kill-after=10 120 megarl check-config "${check_args[@]}" >/dev/null
+  rc=$?
+  check_stop
+  [ $rc -eq 0 ] || { err "the driver's config is invalid (megarl check-config: status $rc; the config errors are above): nothing started"; exit 2; }
+fi
+
 # ---------------------------------------------------------------- addresses
 HEAD_IP=$(timeout 60 srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${ON_NODE[@]}" bash -c "$NODE_IP" | head -n1)
 [ -n "$HEAD_IP" ] || fail "could not get the IP of head node $HEAD${MEGARL_NET_IFACE:+ on interface $MEGARL_NET_IFACE}"
@@ -247,8 +468,10 @@ ray_args=(--block --disable-usage-stats)
 [ -n "${MEGARL_RAY_NUM_GPUS:-}" ] && ray_args+=(--num-gpus="$MEGARL_RAY_NUM_GPUS")
 start_ray_on() {  # start_ray_on NODE ARGS...: `ray start --block` as a background job step
   local node=$1; shift
+  # MEGARL_RAY_STEP marks every process this step starts (inherited by raylet, GCS, agents and
+  # workers): the teardown finds exactly those on the node by it.
   srun --overlap --nodes=1 --ntasks=1 -w "$node" --kill-on-bad-exit=1 "${ON_NODE[@]}" \
-    ray start --node-ip-address="${IP_OF[$node]}" "${ray_args[@]}" "$@" > >(sed -u "s/^/[ray $node] /") 2>&1 &
+    env "MEGARL_RAY_STEP=$SLURM_JOB_ID:$node" ray start --node-ip-address="${IP_OF[$node]}" "${ray_args[@]}" "$@" > >(sed -u "s/^/[ray $node] /") 2>&1 &
   RAY_SRUN[$node]=$!
 }
 log "starting the Ray head on $HEAD ($HEAD_IP:$RAY_PORT)"
@@ -297,6 +520,20 @@ while :; do
   sleep 2
 done
 log "all $N Ray nodes joined: RAY_ADDRESS=$RAY_ADDRESS"
+# The start-up record: each node's Ray processes (by the job's marker), named at teardown for a
+# node that cannot be checked then.
+node_checks list "${NODES[@]}"
+for node in "${NODES[@]}"; do
+  START_PROCS[$node]=$(procs_of "$node" found)
+  START_GROUPS[$node]=$(awk '$2 == "group" {printf "%s%s", sep, $3; sep = ","}' <<<"${CHECK_LINES[$node]:-}")
+  if [ -z "${CHECK_VIA[$node]:-}" ]; then
+    log "WARNING: could not list the Ray processes on $node (${CHECK_WHY[$node]})"
+  elif [ -z "${START_PROCS[$node]}" ]; then
+    log "WARNING: no process carrying MEGARL_RAY_STEP=$SLURM_JOB_ID:$node found on $node: its teardown check will see nothing"
+  else
+    log "Ray processes on $node: ${START_PROCS[$node]}"
+  fi
+done
 
 # ---------------------------------------------------------------- the driver
 log "driver on $HEAD: $*"

@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_multinode  # noqa: E402
 
+from tests.launch_scripts.conftest import job_leftovers  # noqa: E402
+
 STEP = {"step": 1, "time/step_s": 2.0, "time/generate_s": 1.0, "time/update_s": 0.5, "time/sync_s": 0.25,
         "throughput/tokens_per_s": 100.0, "throughput/generated_tokens_per_s": 40.0,
         "perf/train_tflops_per_s": 0.002, "sync/bytes": 1000.0}
@@ -92,9 +94,11 @@ def test_two_node_bench_job(slurm_env, tmp_path):
               "actor.micro_batch_size=4", "ref.micro_batch_size=4", "rollout.max_new_tokens=2",
               "trainer.loggers=[console]"]
     job = subprocess.run(submit, env=env, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    state = _wait(job.split(";")[0], env, timeout_s=300)
+    job = job.split(";")[0]
+    state = _wait(job, env, timeout_s=300)
     text = log.read_text() if log.exists() else "(no job log)"
     assert state == "COMPLETED", f"job {job}: {state}\n{text[-6000:]}"
+    assert job_leftovers(job) == [], "processes of the job still running"
 
     result = json.loads((out_dir / "bench_multinode_2nodes.json").read_text())
     table = (out_dir / "bench_multinode_2nodes.txt").read_text()

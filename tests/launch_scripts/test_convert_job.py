@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.launch_scripts.conftest import job_leftovers
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,6 +41,7 @@ def test_convert_job_round_trip_on_two_nodes(slurm_cluster, tmp_path):
         subprocess.run(["scancel", job], env=env)
     text = log.read_text() if log.exists() else "(no job log)"
     assert state == "COMPLETED", f"job {job}: {state}\n{text[-5000:]}"
+    assert job_leftovers(job) == [], "processes of the job still running"
     assert "(on 2 ranks, rendezvous " in text and ":29533)" in text
     assert text.count("logit probe passed") == 2  # both directions verified themselves
     original = load_file(str(Path(hf) / "model.safetensors"))

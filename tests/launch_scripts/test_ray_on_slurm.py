@@ -9,11 +9,16 @@ a. a 2-node job trains: the Megatron workers run on both nodes (seen in the OS: 
 b. a node whose `ray start` fails, or never joins: the job fails within a bounded time and names
    the node;
 c. a Ray node lost while the driver runs (its raylet killed): named, the driver asked to stop,
-   the job fails and leaves nothing running.
+   the job fails and leaves nothing running;
+d. a node whose slurmd dies mid-job (its job steps keep running, so Slurm cannot end its Ray):
+   the teardown finds the job's Ray processes left there and stops them through MEGARL_NODE_SHELL,
+   naming the node and the processes; without a node shell the job fails naming the node and
+   what may be left on it;
+e. a wrong override of a `megarl train` driver fails the job in seconds, before any Ray process.
 
 Jobs are watched by polling `scontrol show job` (sbatch --wait polls slowly). Processes are
-attributed to a job by SLURM_JOB_ID in their environment (inherited by everything a job starts,
-Ray's daemons and workers included).
+attributed to a job by SLURM_JOB_ID in their environment (conftest.job_processes: inherited by
+everything a job starts, Ray's daemons and workers included); no test leaves one running.
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from parallel.spawn import free_port
+from tests.launch_scripts.conftest import job_leftovers, job_processes, kill_slurmd, restart_slurmd
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch_scripts" / "ray_on_slurm.sh"
@@ -76,25 +81,13 @@ def _job(job: str, env: dict) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
-def _job_processes(job: str) -> list[tuple[int, str, str]]:
-    """(pid, command line, node) of every live process a job started."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            environ = proc.environ()
-            if environ.get("SLURM_JOB_ID") == job and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append((proc.pid, " ".join(proc.cmdline()), environ.get("SLURMD_NODENAME", "?")))
-        except (psutil.Error, OSError):
-            pass
-    return found
-
-
 def _wait(job: str, env: dict, timeout_s: float, until=None, every=None, poll_s: float = 1.0) -> dict[str, str]:
     """Poll every ``poll_s`` until the job reaches a final state (or ``until(info)`` is true);
     ``every()`` runs at each poll. On timeout the job is cancelled and the test fails."""
     deadline = time.monotonic() + timeout_s
     while True:
         info = _job(job, env)
+        job_processes(job)  # (records the job's process groups: conftest.job_processes)
         if every is not None:
             every()
         if info.get("JobState") in FINAL or (until is not None and until(info)):
@@ -103,13 +96,6 @@ def _wait(job: str, env: dict, timeout_s: float, until=None, every=None, poll_s:
             subprocess.run(["scancel", job], env=env)
             pytest.fail(f"job {job} still {info.get('JobState')} after {timeout_s:.0f} s (cancelled)")
         time.sleep(poll_s)
-
-
-def _no_leftovers(job: str, timeout_s: float = 30) -> list[tuple[int, str, str]]:
-    deadline = time.monotonic() + timeout_s
-    while (left := _job_processes(job)) and time.monotonic() < deadline:
-        time.sleep(1)
-    return left
 
 
 def _log(path: Path) -> str:
@@ -146,7 +132,7 @@ def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_clu
     error = [line for line in text.splitlines() if "ERROR" in line]
     assert any("n2" in line for line in error), text[-4000:]
     assert "the driver should not run" not in text
-    assert _no_leftovers(job) == [], "processes of the failed job still running"
+    assert job_leftovers(job) == [], "processes of the failed job still running"
 
 
 def test_two_node_training_job_is_preempted_requeued_and_resumed(slurm_cluster, prompts, tmp_path):
@@ -160,7 +146,7 @@ def test_two_node_training_job_is_preempted_requeued_and_resumed(slurm_cluster, 
     seen: dict[str, set[str]] = {}
 
     def snapshot():
-        for _, cmdline, node in _job_processes(job):
+        for _, cmdline, node in job_processes(job):
             for name in ("ray::MegatronWorker", "ray::RolloutWorker", "raylet", "gcs_server", "megarl train"):
                 if name in cmdline:
                     seen.setdefault(name, set()).add(node)
@@ -185,7 +171,7 @@ def test_two_node_training_job_is_preempted_requeued_and_resumed(slurm_cluster, 
     assert f"megarl train: stopped at step {resumed.group(2)}/{steps}" in text, text[-6000:]
     done = [m["step"] for m in _metrics(out)]
     assert done == list(range(1, steps + 1)), done  # numbering continues across the requeue; no step ran twice
-    assert _no_leftovers(job) == [], "processes of the finished job still running"
+    assert job_leftovers(job) == [], "processes of the finished job still running"
 
 
 def test_a_ray_node_lost_mid_run_is_named_and_the_driver_stopped(slurm_cluster, tmp_path):
@@ -201,8 +187,8 @@ def test_a_ray_node_lost_mid_run_is_named_and_the_driver_stopped(slurm_cluster, 
     job = _submit(env, log, ["python", str(driver)])
     _wait(job, env, timeout_s=240, until=lambda i: "driver: running" in _log(log))
     # The fault: n2's raylet dies (a crash, the OOM killer).
-    raylets = [pid for pid, cmdline, node in _job_processes(job) if node == "n2" and "/raylet " in f"{cmdline} "]
-    assert raylets, _job_processes(job)
+    raylets = [pid for pid, cmdline, node in job_processes(job) if node == "n2" and "/raylet " in f"{cmdline} "]
+    assert raylets, job_processes(job)
     for pid in raylets:
         os.kill(pid, 9)
     started = time.monotonic()
@@ -212,4 +198,105 @@ def test_a_ray_node_lost_mid_run_is_named_and_the_driver_stopped(slurm_cluster, 
     assert time.monotonic() - started < 60, text[-4000:]
     assert "ERROR: Ray on node n2 ended while the driver ran" in text, text[-4000:]
     assert "driver: SIGTERM, saving" in text, text[-4000:]
-    assert _no_leftovers(job) == [], "processes of the failed job still running"
+    assert job_leftovers(job) == [], "processes of the failed job still running"
+
+
+def _run_seconds(info: dict[str, str]) -> int:
+    days, _, clock = info["RunTime"].rpartition("-")
+    h, m, s = (int(x) for x in clock.split(":"))
+    return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
+
+
+def _exit_status(text: str) -> int | None:
+    found = re.findall(r"^\[ray_on_slurm [\d:]+\] exit status (\d+)$", text, re.MULTILINE)
+    return int(found[-1]) if found else None
+
+
+@pytest.mark.parametrize("node_shell", [True, False], ids=["node-shell", "no-node-shell"])
+def test_ray_on_a_node_whose_slurmd_died_is_stopped_or_the_job_fails_naming_it(slurm_cluster, tmp_path, node_shell):
+    # The driver runs until the test lets it finish (after n2's slurmd is gone), then exits 0.
+    go, driver = tmp_path / "go", tmp_path / "driver.py"
+    driver.write_text("import pathlib, time\n"
+                      f"go = pathlib.Path({str(go)!r})\n"
+                      "print('driver: running', flush=True)\n"
+                      "deadline = time.monotonic() + 120\n"
+                      "while not go.exists() and time.monotonic() < deadline:\n"
+                      "    time.sleep(0.2)\n"
+                      "print('driver: done', flush=True)\n")
+    # Slurm cannot end n2's Ray step: 5 s for the steps (n1's ends at once), then the node checks.
+    extra = dict(MEGARL_PREFLIGHT="0", MEGARL_RAY_STOP_WAIT="5", MEGARL_NODE_CHECK_TIMEOUT="10")
+    if node_shell:
+        # Both "nodes" are this host, so a local command reaches n2's processes (a cluster: ssh).
+        extra["MEGARL_NODE_SHELL"] = "env MEGARL_CHECKED_NODE={node}"
+    env = _env(slurm_cluster, **extra)
+    log = tmp_path / "job.out"
+    job = _submit(env, log, ["python", str(driver)])
+    _wait(job, env, timeout_s=240, until=lambda i: "driver: running" in _log(log))
+    on_n2 = [cmdline for _, cmdline, node in job_processes(job) if node == "n2"]
+    assert any("/raylet " in f"{c} " for c in on_n2), job_processes(job)
+    try:
+        kill_slurmd("n2")  # its slurmstepds, and the Ray step they run, keep running
+        go.touch()
+        started = time.monotonic()
+        while _exit_status(_log(log)) is None and time.monotonic() - started < 120:
+            time.sleep(0.5)
+        elapsed = time.monotonic() - started
+        text = _log(log)
+        left = [p for p in job_processes(job) if p[2] == "n2"]
+        assert _exit_status(text) is not None, f"the job script did not end within 120 s\n{text[-4000:]}"
+        # Well within SlurmdTimeout (60 s), after which Slurm would declare n2 down and fail the job itself.
+        assert elapsed < 50, f"teardown took {elapsed:.0f} s\n{text[-4000:]}"
+        assert "driver: done" in text and "driver exited with status 0" in text, text[-4000:]
+        teardown = text[text.index("stopping Ray on"):]
+        assert "n2: its Ray step did not end through Slurm within 5s" in teardown, teardown
+        if node_shell:
+            stopped = re.search(r"n2: Slurm did not end this job's Ray there; stopped \(via MEGARL_NODE_SHELL\): (.*)",
+                                teardown)
+            assert stopped and "raylet" in stopped.group(1), teardown
+            assert f"Ray is down: no Ray process of job {job} left on n1 n2" in teardown, teardown
+            assert "ERROR" not in teardown, teardown
+            assert _exit_status(text) == 0, teardown
+            assert left == [], f"processes of the job left on n2 after its teardown: {left}"
+        else:
+            assert re.search(r"ERROR: n2: cannot verify that this job's Ray processes ended there: srun cannot reach "
+                             r"it .*no MEGARL_NODE_SHELL.*Ray processes recorded there at start: .*raylet", teardown), \
+                teardown
+            assert f"ERROR: teardown: Ray processes of job {job} may be left on n2 (see above); none left on n1" \
+                in teardown, teardown
+            assert "Ray is down" not in teardown, teardown
+            assert _exit_status(text) == 1, teardown
+            assert any("/raylet " in f"{c} " for _, c, _ in left), left  # what it reported is what is there
+    finally:
+        for pid, _, node in job_processes(job):  # what the job left on n2 (the failure case), before slurmd returns
+            if node != "n2":
+                continue
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        restart_slurmd("n2", env)
+    info = _wait(job, env, timeout_s=120)
+    assert info["JobState"] == ("COMPLETED" if node_shell else "FAILED"), f"job {job}: {info}\n{text[-3000:]}"
+    assert job_leftovers(job) == [], "processes of the job still running"
+
+
+def test_a_wrong_override_fails_the_job_in_seconds_before_any_ray_process(slurm_cluster, prompts, tmp_path):
+    env = _env(slurm_cluster)
+    log = tmp_path / "job.out"
+    job = _submit(env, log, _train_args(prompts, tmp_path / "run", **{"actor.micro_batch_sise": 4}))
+    ray = []
+
+    def watch():
+        ray.extend(p for p in job_processes(job)
+                   if any(name in p[1] for name in ("ray start", "raylet", "gcs_server", "ray::", "megarl preflight")))
+
+    info = _wait(job, env, timeout_s=240, every=watch, poll_s=0.2)
+    text = _log(log)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"job {job}: {info}\n{text[-3000:]}"
+    assert _run_seconds(info) <= 15, f"ran {info['RunTime']}\n{text[-3000:]}"
+    assert "config error: actor.micro_batch_sise: unknown key; did you mean actor.micro_batch_size?" in text, text
+    assert "ERROR: the driver's config is invalid" in text, text
+    for later in ("node IPs", "preflight on", "starting the Ray head", "stopping Ray"):
+        assert later not in text, text
+    assert ray == [], f"Ray processes of the job appeared: {ray}"
+    assert job_leftovers(job) == [], "processes of the job still running"
