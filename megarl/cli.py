@@ -171,7 +171,7 @@ def _remove_unpublished(output) -> None:
     the rename is the conversion's last step)."""
     import shutil
 
-    from parallel.checkpoint.dist_ckpt import partial_dir
+    from parallel.checkpoint.atomic import partial_dir
 
     shutil.rmtree(partial_dir(output), ignore_errors=True)
 

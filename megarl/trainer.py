@@ -46,13 +46,13 @@ def materialize_model(cfg: RunConfig) -> str:
     randomly initialised model with the character tokenizer, made once under the output dir."""
     from model_specs.presets import PRESETS, save_tiny_hf_model
     from model_specs.tokenizer import save_char_tokenizer
-    from parallel.checkpoint.atomic import atomic_directory
+    from parallel.checkpoint.atomic import atomic_directory, partial_dir
 
     if Path(cfg.model.path).is_dir() or cfg.model.path not in PRESETS:
         return cfg.model.path
     target = Path(cfg.trainer.output_dir) / "initial_model"
     if not (target / "config.json").is_file():
-        with atomic_directory(target, partial=target.parent / f".{target.name}.partial") as partial:
+        with atomic_directory(target, partial=partial_dir(target)) as partial:
             save_tiny_hf_model(cfg.model.path, partial, seed=cfg.trainer.seed, eos_token_id=1, pad_token_id=0)
             save_char_tokenizer(partial)
     return str(target)
@@ -494,12 +494,12 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_<k>`` atomically (the hidden ``.step_<k>.partial``, renamed
         when complete; a killed save's is removed by the next) and keep the last K."""
-        from parallel.checkpoint.atomic import atomic_directory
+        from parallel.checkpoint.atomic import atomic_directory, partial_dir
 
         target = self.out / CHECKPOINT_DIR / f"step_{self.step:06d}"
         if target.exists():
             return target
-        with atomic_directory(target, partial=target.parent / f".{target.name}.partial") as partial:
+        with atomic_directory(target, partial=partial_dir(target)) as partial:
             self._call_workers("save_checkpoint", str(partial))
             state = {"step": self.step, "data": self.loader.state_dict(),
                      "kl_controller": self.kl_controller.state_dict(), "fingerprint": config_fingerprint(self.cfg)}

@@ -66,6 +66,13 @@ def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
     _fsync_directory(target.parent)
 
 
+def partial_dir(target: str | os.PathLike) -> Path:
+    """The fixed temporary name beside ``target`` (``.NAME.partial``) for ``atomic_directory``'s
+    ``partial``: a save killed half-way leaves it under a name the next attempt removes."""
+    target = Path(target)
+    return target.parent / f".{target.name}.partial"
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str | os.PathLike, *, partial: str | os.PathLike | None = None) -> Iterator[Path]:
     """Yield a temporary directory beside ``target``; rename it to ``target`` on success, delete

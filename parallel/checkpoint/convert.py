@@ -327,12 +327,13 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
 
     Streams: rank 0 reads one HF tensor at a time from the checkpoint files and writes it; the
     other ranks only contribute their shard boxes (and take part in the logit probe). The export
-    is written to a partial directory beside ``out_dir`` (``dist_ckpt.partial_dir``), verified
+    is written to a partial directory beside ``out_dir`` (``atomic.partial_dir``), verified
     there by every rank, and renamed only if every check passed."""
     import time
     from pathlib import Path
 
-    from parallel.checkpoint.dist_ckpt import partial_dir, read_checkpoint_metadata
+    from parallel.checkpoint.atomic import partial_dir
+    from parallel.checkpoint.dist_ckpt import read_checkpoint_metadata
     from parallel.checkpoint.hf_io import write_hf_checkpoint
     from parallel.checkpoint.stream import read_hf_tensors, stored_dtype
     from parallel.layout import initialize_megatron

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from parallel.checkpoint.atomic import atomic_directory
+from parallel.checkpoint.atomic import atomic_directory, partial_dir
 from parallel.checkpoint.errors import CheckpointError
 from parallel.layout import MegatronLayout
 from parallel.models import unwrap_model
@@ -29,10 +29,6 @@ FORMAT_VERSION = 1
 
 def _sharded_state_dict(chunks: list) -> dict:
     return {f"chunk{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
-
-
-def partial_dir(target: Path) -> Path:
-    return target.parent / f".{target.name}.partial"
 
 
 def save_megatron_checkpoint(
