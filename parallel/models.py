@@ -103,10 +103,6 @@ def build_model_chunks(
     config = megatron_config(hf_config, layout, params_dtype, **config_overrides)
     model_kwargs = family.gpt_model_kwargs(hf_config)
     model_kwargs["vocab_size"] = padded_vocab_size(model_kwargs["vocab_size"], make_vocab_size_divisible_by, layout.tp)
-    if shared_prompts and model_kwargs["position_embedding_type"] == "yarn":
-        # parallel.modules.shared_prefix.rotary_positions replaces RotaryEmbedding.forward with one
-        # that returns a plain table; GPTModel's yarn path expects (table, mscale) from it.
-        raise ValueError("shared-prompt rows do not support YaRN RoPE (rope_type='yarn') yet; turn shared_prompts off")
     spec = layer_spec(config, layout, packed_sequences, shared_prompts)
     llama3_overrides = family.llama3_scaling_overrides(hf_config)
     chunks = []

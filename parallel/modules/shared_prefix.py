@@ -167,6 +167,9 @@ def rotary_positions(model, position_ids: torch.Tensor):
         if packed_seq or (cp_group is not None and cp_group.size() > 1):
             raise NotImplementedError("per-token RoPE positions: no packed (thd) rows or context parallelism")
         table = rope.get_emb(int(position_ids.max()) + 1)  # [positions, 1, 1, dim]
+        if isinstance(table, tuple):  # YaRN: (table, attention factor), as YarnRotaryEmbedding returns it
+            table, mscale = table
+            return table[:, 0][position_ids.t()], mscale
         return table[:, 0][position_ids.t()]  # [s, b, 1, dim]
 
     rope.forward = per_token

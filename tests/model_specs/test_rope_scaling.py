@@ -23,6 +23,7 @@ from model_specs.base import rope_parameters
 from model_specs.presets import hf_config_dict
 from parallel.checkpoint.hf_io import HFCheckpoint
 from parallel.spawn import run_on_ranks
+from tests.model_specs import rank_fns as model_rank_fns
 from tests.parallel.checkpoint import rank_fns
 
 MAX_POSITIONS = 1024
@@ -179,13 +180,22 @@ def test_yarn_megatron_attention_factor_is_hfs():
         assert _yarn_get_concentration_factor_from_config(config) == hf_factor, rope
 
 
-def test_shared_prompts_refuse_yarn():
-    from parallel.layout import MegatronLayout
-    from parallel.models import build_model_chunks
+def test_shared_prompt_rows_with_yarn_give_hfs_logits(sources):
+    """One shared-prefix row [prefix][branch 1][branch 2] of the YaRN model: every branch token's
+    logits are HF's on prefix + that branch alone (RoPE at per-token positions keeps YaRN's table
+    and attention factor)."""
+    from parallel.modules.shared_prefix import PREFIX
 
-    hf = hf_config_dict("tiny-qwen2-untied", rope_parameters=MODELS["yarn"][1])
-    with pytest.raises(ValueError, match="YaRN"):
-        build_model_chunks(hf, MegatronLayout(), shared_prompts=True)
+    path, hf_logits, unscaled = sources["yarn"]
+    prefix, branch_2 = 200, 120
+    branch_1 = torch.randint(0, 200, (90,), generator=torch.Generator().manual_seed(4))
+    tokens = torch.cat([TOKENS[0, :prefix], branch_1, TOKENS[0, prefix:prefix + branch_2]])[None]
+    positions = torch.cat([torch.arange(prefix), prefix + torch.arange(len(branch_1)), prefix + torch.arange(branch_2)])
+    segments = torch.tensor([PREFIX] * prefix + [1] * len(branch_1) + [2] * branch_2)[None]
+    (logits,) = run_on_ranks(model_rank_fns.shared_prefix_logits, 1, str(path), tokens, positions[None], segments)
+    own_sequence = torch.cat([logits[0, :prefix], logits[0, prefix + len(branch_1):]])  # prefix + branch 2
+    torch.testing.assert_close(own_sequence, hf_logits[0, : prefix + branch_2], atol=1e-5, rtol=1e-5)
+    assert (own_sequence - unscaled[0, : prefix + branch_2]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(
