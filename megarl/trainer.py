@@ -368,6 +368,7 @@ class Trainer:
         """Token rewards (score on the last token, minus a KL penalty if configured) -> the
         configured estimator's advantages and returns, written into ``batch``."""
         from megarl.algorithms import advantage_spec, apply_kl_penalty, scores_to_token_rewards
+        from megarl.config.validate import RUN_ADVANTAGE_INPUTS
         from megarl.workers.batch import response_mask
 
         alg = self.cfg.algorithm
@@ -379,10 +380,12 @@ class Trainer:
             metrics["kl_penalty/kl"] = float(kl["kl"])
             metrics["kl_penalty/coef"] = float(kl["kl_coef"])
             self.kl_controller.update(float(kl["kl"]), n_steps=len(scores))
-        # what this trainer has for the estimator's declared inputs (None: not in this run)
-        adv, returns = advantage_spec(alg.advantage)(
-            token_rewards=token_rewards, response_mask=mask, index=batch["uid"], values=batch.get("old_values"),
-            gamma=alg.gamma, lam=alg.lam, norm_by_std=alg.norm_adv_by_std)
+        # what a run has for the estimator's declared inputs (None: not in this run); config
+        # validation refuses an estimator that declares others (megarl.config.validate.RUN_ADVANTAGE_INPUTS)
+        supplied = dict(index=batch["uid"], values=batch.get("old_values"), gamma=alg.gamma, lam=alg.lam,
+                        norm_by_std=alg.norm_adv_by_std)
+        assert tuple(supplied) == RUN_ADVANTAGE_INPUTS, (tuple(supplied), RUN_ADVANTAGE_INPUTS)
+        adv, returns = advantage_spec(alg.advantage)(token_rewards=token_rewards, response_mask=mask, **supplied)
         batch["advantages"], batch["returns"] = adv, returns
 
     def update(self, batch: dict) -> dict[str, float]:

@@ -368,6 +368,12 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
                       f"pick one of {[t for t in range(1, heads + 1) if fits(t)]}")
 
 
+# What megarl.trainer.Trainer.advantages passes an advantage estimator (registry.ADVANTAGE_INPUTS
+# lists what estimators may declare; remax's greedy baseline and PRIME's process rewards are not
+# computed by a run).
+RUN_ADVANTAGE_INPUTS = ("index", "values", "gamma", "lam", "norm_by_std")
+
+
 def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None) -> None:
     from megarl.algorithms import advantage_spec, list_advantages
 
@@ -378,6 +384,12 @@ def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None) -> None:
         critic_free = [name for name in list_advantages() if not advantage_spec(name).needs_critic]
         p.add("critic.enabled", False, f"algorithm.advantage={adv!r} needs a value model",
               f"set critic.enabled=true, or pick a critic-free estimator ({', '.join(critic_free)})")
+    unsupplied = [name for name in spec.inputs if name not in RUN_ADVANTAGE_INPUTS] if spec is not None else []
+    if unsupplied:
+        usable = [name for name in list_advantages() if set(advantage_spec(name).inputs) <= set(RUN_ADVANTAGE_INPUTS)]
+        p.add("algorithm.advantage", adv, f"needs {unsupplied}, which a megarl run does not compute (it supplies "
+              f"{list(RUN_ADVANTAGE_INPUTS)})", f"pick one of {usable}, or call megarl.algorithms.advantage_spec("
+              f"{adv!r}) from your own training loop")
     if spec is not None and spec.needs_groups and cfg.rollout.n == 1:  # n < 1 is a range problem
         p.add("rollout.n", cfg.rollout.n, f"algorithm.advantage={adv!r} compares the samples of one prompt, and a "
               "group of 1 has no baseline (every advantage is 0)", "use rollout.n >= 2 (e.g. 8)")

@@ -322,3 +322,12 @@ def test_a_user_estimator_that_needs_groups_is_refused_with_one_sample(problems,
     # declaring no needs: a single sample per prompt is fine
     load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "algorithm.advantage=my_plain",
                              "rollout.n=1"])
+
+
+@pytest.mark.parametrize("estimator, missing", [("remax", "['baseline_rewards']"),
+                                                ("prime", "['process_rewards']")])
+def test_estimators_needing_inputs_a_run_does_not_compute_are_refused(problems, estimator, missing):
+    line = _one(problems(f"algorithm.advantage={estimator}"))
+    assert line.startswith(f"algorithm.advantage=\"{estimator}\": needs {missing}, which a megarl run does not compute")
+    usable = line.split("pick one of [")[1].split("]")[0]
+    assert "'grpo'" in usable and "'gae'" in usable and "remax" not in usable and "prime" not in usable
