@@ -2,7 +2,8 @@
 
 ``megarl plan <config> [overrides] [--gpu-memory-gib N]`` loads and validates the config, then
 states per role (actor, reference, critic, reward model, rollout) its pool, world, layout and data-parallel
-size, and the per-GPU memory (``parallel.memory``) of each role and of each pool over the phases
+size, the core attention its Megatron model will build (``parallel.models.core_attention_kind``,
+the choice ``layer_spec`` makes), and the per-GPU memory (``parallel.memory``) of each role and of each pool over the phases
 of a step, against a per-GPU budget, with a verdict. The sbatch scripts in ``launch_scripts/``
 run it first (and only it, with ``--dry-run``), so a layout that cannot work or memory that
 cannot fit fails on a laptop rather than after the queue.
@@ -58,6 +59,7 @@ class RolePlan:
     memory: MemoryEstimate | None = None
     rollout: RolloutMemory | None = None
     engines: int = 0
+    attention: str | None = None  # the Megatron model's core attention (parallel.models.core_attention_kind)
 
 
 @dataclasses.dataclass
@@ -96,7 +98,7 @@ class LaunchPlan:
         for r in self.roles:
             entry: dict[str, Any] = {"pool": r.pool, "world": r.world, "dp": r.dp, "layout": r.layout}
             if r.memory is not None:
-                entry["memory_bytes"] = dict(r.memory.components)
+                entry.update(attention=r.attention, memory_bytes=dict(r.memory.components))
             if r.rollout is not None:
                 entry.update(engines=r.engines, weights_bytes=r.rollout.weights, kv_pool_bytes=r.rollout.kv_pool,
                              kv_capacity_tokens=r.rollout.kv_capacity_tokens, tokens_needed=r.rollout.tokens_needed)
@@ -133,6 +135,7 @@ def _micro_batching(cfg: RunConfig, role: str, dp: int, seq: int) -> tuple[int, 
 def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "none") -> LaunchPlan:
     """The launch plan of a validated config (``megarl.config.load_config``)."""
     from megarl.config.validate import model_hf_config
+    from parallel.models import core_attention_kind
 
     hf = model_hf_config(cfg.model.path)
     dtype = cfg.model.dtype
@@ -150,10 +153,13 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
         own_model = getattr(getattr(cfg, role), "model_path", None)
         model_hf = model_hf_config(own_model) if own_model else hf
         tokens, micro, text = _micro_batching(cfg, role, dp, seq)
+        attention = core_attention_kind(layout, cfg.actor.sequence_packing, cfg.shared_prompt_rows)
         estimate = training_memory(model_hf, layout, dp=dp, dtype=dtype, tokens_per_micro_batch=tokens,
                                    micro_batches=micro, trainable=trainable,
-                                   value_head=role in VALUE_ROLES, recompute=recompute, role=role)
-        roles.append(RolePlan(role, cfg.pool_for(role), world, _layout_text(layout), dp, text, memory=estimate))
+                                   value_head=role in VALUE_ROLES, recompute=recompute, role=role,
+                                   attention=attention, sequence_length=seq)
+        roles.append(RolePlan(role, cfg.pool_for(role), world, _layout_text(layout), dp, text, memory=estimate,
+                              attention=attention))
 
     # Pools: resident training states first (SGLang sizes itself from what is left).
     r = cfg.rollout
@@ -255,7 +261,8 @@ def format_plan(plan: LaunchPlan) -> str:
            "", "layout:"]
     for r in plan.roles:
         out.append(f"  {r.role:8s} pool {r.pool!r:10s} {r.world:5d} ranks  {r.layout:34s} "
-                   f"{'engines' if r.rollout else 'dp'} {r.dp:<4d} {r.batching}")
+                   f"{'engines' if r.rollout else 'dp'} {r.dp:<4d} {r.batching}"
+                   + (f"; {r.attention} attention" if r.attention else ""))
     out += ["", f"memory per GPU (GiB, busiest rank; assumptions: parallel/memory.py; recompute={plan.recompute}):"]
     for r in plan.roles:
         if r.memory is not None:

@@ -24,15 +24,23 @@ Training states, bytes per parameter of the rank (megatron mixed precision, mega
   bf16 + distributed optimizer: 6 + 12/(dp*cp) bytes per parameter (megatron's own table).
 
 Activations (rough; after Korthikanti et al. 2022, "Reducing Activation Recomputation",
-rewritten for Llama-style layers with flash attention, GQA, SwiGLU and no dropout). Saved for
-the backward, per token per layer, in elements:
+rewritten for Llama-style layers with GQA, SwiGLU and no dropout). Saved for the backward, per
+token per layer, in elements:
   4h                    inputs of the two RMSNorms and of the two linears they feed
                         (/tp with sequence parallelism, else replicated on every TP rank)
-  2*nh*d + 2*nkv*d      q, k, v kept by flash attention and its output (input of o_proj)  (/tp)
+  2*nh*d + 2*nkv*d      q, k, v kept by the attention and its output (input of o_proj)  (/tp)
   3f                    gate and up outputs (SwiGLU's inputs) and SwiGLU's output       (/tp)
-  times the activation dtype size; the attention score matrix is never stored (flash
-  attention), softmax statistics are ignored. Tokens per micro-batch are micro_batch_size *
-  (max prompt + max response) (padded batches: the worst case) or the token budget, / cp.
+  times the activation dtype size; softmax statistics are ignored. Tokens per micro-batch are
+  micro_batch_size * (max prompt + max response) (padded batches: the worst case) or the token
+  budget, / cp. What the core attention keeps besides depends on which one the run builds
+  (``parallel.models.core_attention_kind``), per query token and per key of its sequence (S keys,
+  S = max prompt + max response: exact for padded rows, a bound for packed and shared-prefix ones):
+  sdpa                  nothing (torch's flash / memory-efficient kernels on CUDA)
+  context_parallel      the [b, nh/tp, S/cp, S] scores: fp32 softmax and its copy in the
+                        activation dtype, nh/tp * (4 + dtype size) bytes (4 in fp32)
+  shared_prefix         its [branches, L, P + L] boolean mask, which SDPA turns into an additive
+                        bias in the activation dtype at every layer (memory-efficient kernel on
+                        CUDA; no score matrix), shared by the heads: dtype size bytes
   Full recompute keeps only each layer's input (h elements, /tp with SP) plus one layer's full
   set while it is recomputed.
   Pipeline (1F1B): stage s holds min(pp - s, micro-batches) micro-batches in flight (the first
@@ -66,6 +74,7 @@ RUNTIME_RESERVE_BYTES = 3 * GiB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MEGATRON_VOCAB_DIVISIBLE_BY = 128  # parallel.layout.build_model_chunks' default
 SGLANG_VOCAB_DIVISIBLE_BY = 64  # sglang's VocabParallelEmbedding padding
+ATTENTION_KINDS = ("sdpa", "context_parallel", "shared_prefix")  # parallel.models.core_attention_kind's names
 
 
 def _ceil_to(n: int, multiple: int) -> int:
@@ -127,6 +136,15 @@ class ModelShape:
         split = 2 * self.q_dim + 2 * self.kv_dim + 3 * self.ffn
         return replicated / (tp if sequence_parallel else 1) + split / tp
 
+    def attention_bytes_per_key(self, attention: str, tp: int, dtype_size: int) -> float:
+        """Bytes one layer's core attention keeps per query token and key on one TP rank, beyond
+        q/k/v and its output (see module doc), for a ``parallel.models.core_attention_kind`` name."""
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention={attention!r}; use one of {ATTENTION_KINDS}")
+        if attention == "context_parallel":
+            return self.heads / tp * (4 + (dtype_size if dtype_size < 4 else 0))
+        return dtype_size if attention == "shared_prefix" else 0
+
 
 def megatron_stage_params(shape: ModelShape, layout, stage: int, *, value_head: bool = False) -> int:
     """Parameters on one TP rank of pipeline stage ``stage`` (all its virtual chunks)."""
@@ -163,13 +181,16 @@ class MemoryEstimate:
 
 def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfloat16",
                     tokens_per_micro_batch: int, micro_batches: int, trainable: bool = True,
-                    value_head: bool = False, recompute: str = "none", role: str = "actor") -> MemoryEstimate:
+                    value_head: bool = False, recompute: str = "none", role: str = "actor",
+                    attention: str = "sdpa", sequence_length: int | None = None) -> MemoryEstimate:
     """A Megatron model's memory on its busiest rank: states, activations and logits.
 
     ``tokens_per_micro_batch``: samples x padded length (or the token budget) of one micro-batch;
     ``micro_batches``: micro-batches per optimizer step and data-parallel rank (bounds the
     pipeline's in-flight count). ``trainable=False``: forward only (reference): params only and
-    one layer's working set. ``recompute``: "none" or "full".
+    one layer's working set. ``recompute``: "none" or "full". ``attention``: the core attention
+    (``parallel.models.core_attention_kind``); one that keeps more than q/k/v per key needs
+    ``sequence_length``, the keys of the longest sequence (max prompt + max response).
     """
     if recompute not in ("none", "full"):
         raise ValueError(f"recompute={recompute!r}; use 'none' or 'full'")
@@ -177,7 +198,11 @@ def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfl
     size = DTYPE_BYTES[dtype]
     tp, pp, cp = layout.tp, layout.pp, layout.cp
     tokens = tokens_per_micro_batch / cp
-    per_layer = shape.activation_elements_per_token(tp, layout.sequence_parallel) * tokens * size
+    per_key = shape.attention_bytes_per_key(attention, tp, size)
+    if per_key and sequence_length is None:
+        raise ValueError(f"attention={attention!r} keeps a score or mask entry per key: pass sequence_length")
+    attention_bytes = per_key * tokens * (sequence_length or 0)  # per layer
+    per_layer = shape.activation_elements_per_token(tp, layout.sequence_parallel) * tokens * size + attention_bytes
     layer_input = shape.hidden / (tp if layout.sequence_parallel else 1) * tokens * size
     vocab = _ceil_to(shape.vocab, MEGATRON_VOCAB_DIVISIBLE_BY * tp)
     logits = 0 if value_head else tokens * vocab / tp * (size + 8)
@@ -205,7 +230,8 @@ def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfl
         if best is None or total > best[0]:
             best = (total, parts)
     notes = [f"{shape.total_params():,} parameters; busiest rank holds {best[1]['params'] // size:,} ({dtype}); "
-             f"{tokens_per_micro_batch} tokens per micro-batch"]
+             f"{tokens_per_micro_batch} tokens per micro-batch",
+             f"core attention {attention}: {attention_bytes / GiB:.3f} GiB per layer beyond q/k/v"]
     if trainable:
         notes.append("grads fp32; Adam " + ("fp32 master + " if dtype != "float32" else "") + "2 moments"
                      + (f" sharded over dp*cp={dp * cp}" if layout.use_distributed_optimizer else " (not sharded)")

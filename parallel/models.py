@@ -46,12 +46,28 @@ def megatron_config(
 
 
 
+def core_attention_kind(layout, packed_sequences: bool = False, shared_prompts: bool = False) -> str:
+    """Which core attention ``layer_spec`` builds for these rows at ``layout`` (anything with a
+    ``cp``), by name: "shared_prefix" (``parallel.modules.shared_prefix``) for shared-prompt rows,
+    "context_parallel" (``parallel.modules.context_parallel``) at cp > 1 or for packed rows, else
+    "sdpa" (``parallel.modules.sdpa_attention``). The launch plan sizes activations by it
+    (``parallel.memory``: the first two keep a score matrix per layer, SDPA does not)."""
+    if shared_prompts and (layout.cp > 1 or packed_sequences):
+        raise ValueError(f"shared-prompt rows need context parallelism 1 (cp={layout.cp}) and padded rows "
+                         f"(packed_sequences={packed_sequences}); turn shared_prompts off")
+    if shared_prompts:
+        return "shared_prefix"
+    return "context_parallel" if layout.cp > 1 or packed_sequences else "sdpa"
+
+
+
 def layer_spec(config, layout: MegatronLayout, packed_sequences: bool = False, shared_prompts: bool = False):
-    """The transformer-layer spec: megatron's local spec (pure torch; runs on CPU), with the core
-    attention replaced by the project's context-parallel attention when ``layout.cp > 1`` or
-    ``packed_sequences`` (megatron's local DotProductAttention refuses both CP and
-    packed_seq_params; only Transformer Engine's does them), or by the shared-prefix rows'
-    attention when ``shared_prompts`` (``parallel.modules.shared_prefix``). The attention has no
+    """The transformer-layer spec: megatron's local spec (pure torch; runs on CPU) with the core
+    attention chosen by ``core_attention_kind``: ``SDPAttention`` (torch's fused attention: flash /
+    memory-efficient kernels on CUDA, no [s, s] score matrix) for plain rows; the project's
+    context-parallel attention when ``layout.cp > 1`` or ``packed_sequences`` (megatron's local
+    DotProductAttention refuses both CP and packed_seq_params; only Transformer Engine's does
+    them); the shared-prefix rows' attention when ``shared_prompts``. The attention has no
     parameters, so all specs hold the same weights and checkpoints.
 
     Branch point for GPUs: with Transformer Engine installed, megatron's
@@ -63,17 +79,14 @@ def layer_spec(config, layout: MegatronLayout, packed_sequences: bool = False, s
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    if shared_prompts and (layout.cp > 1 or packed_sequences):
-        raise ValueError(f"shared-prompt rows need context parallelism 1 (cp={layout.cp}) and padded rows "
-                         f"(packed_sequences={packed_sequences}); turn shared_prompts off")
-    if layout.cp > 1 or packed_sequences or shared_prompts:
-        from parallel.modules.context_parallel import ContextParallelAttention
-        from parallel.modules.shared_prefix import SharedPrefixAttention
+    from parallel.modules.context_parallel import ContextParallelAttention
+    from parallel.modules.sdpa_attention import SDPAttention
+    from parallel.modules.shared_prefix import SharedPrefixAttention
 
-        spec = copy.deepcopy(spec)
-        attention = SharedPrefixAttention if shared_prompts else ContextParallelAttention
-        spec.submodules.self_attention.submodules.core_attention = attention
+    attention = {"sdpa": SDPAttention, "context_parallel": ContextParallelAttention,
+                 "shared_prefix": SharedPrefixAttention}[core_attention_kind(layout, packed_sequences, shared_prompts)]
+    spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = attention
     return spec
 
 

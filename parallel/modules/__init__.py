@@ -1,2 +1,2 @@
-"""Torch modules and functions used inside a Megatron forward pass: context-parallel and
-shared-prefix attention, sequence packing, vocab-parallel log-probs and the critic's value head."""
+"""Torch modules and functions used inside a Megatron forward pass: the core attentions (SDPA,
+context-parallel, shared-prefix), sequence packing, vocab-parallel log-probs and the critic's value head."""

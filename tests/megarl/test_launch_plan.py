@@ -117,6 +117,55 @@ def test_training_memory_by_hand():
     assert est.components["optimizer"] == est.components["params"] // 4 * 8
 
 
+def test_attention_memory_by_hand():
+    """What the core attention keeps per (query token, key), on top of test_training_memory_by_hand's
+    activations: nothing for SDPA; the scores for context-parallel attention; a mask for shared prefixes."""
+    one = MegatronLayout(tp=2, sequence_parallel=True)
+    per_layer = 416 * 64 * 2  # as above: 64 tokens, bf16, tp=2 with SP
+
+    def activations(layout=one, dtype="bfloat16", **attention):
+        return training_memory(TINY, layout, dp=1, dtype=dtype, tokens_per_micro_batch=64, micro_batches=4,
+                               **attention).components["activations"]
+
+    assert activations(attention="sdpa", sequence_length=32) == activations() == 4 * per_layer
+    # context parallel: 4 heads / tp=2, fp32 softmax + bf16 probs = 2 * (4 + 2) bytes per key, 64 tokens x 32 keys
+    assert activations(attention="context_parallel", sequence_length=32) == 4 * (per_layer + 12 * 64 * 32)
+    # cp=2: half the tokens per rank, each still over all 32 keys
+    cp2 = MegatronLayout(tp=2, cp=2, sequence_parallel=True)
+    assert activations(cp2, attention="context_parallel", sequence_length=32) == 4 * (per_layer + 12 * 64 * 32) // 2
+    # fp32: the softmax is the probs (4 bytes per head and key); activations 4 bytes each
+    assert activations(dtype="float32", attention="context_parallel", sequence_length=32) == 4 * (
+        416 * 64 * 4 + 2 * 4 * 64 * 32)
+    # shared prefix: a bf16 additive mask per token and key, shared by the heads
+    assert activations(attention="shared_prefix", sequence_length=32) == 4 * (per_layer + 2 * 64 * 32)
+    with pytest.raises(ValueError, match="pass sequence_length"):
+        activations(attention="context_parallel")
+    with pytest.raises(ValueError, match="attention='flash'; use one of"):
+        activations(attention="flash")
+
+
+def test_plan_attention_follows_the_rows():
+    """The plan builds the attention layer_spec would (parallel.models.core_attention_kind) and
+    sizes its memory: 70B GRPO, actor stage 0 = 20 layers x 4 micro-batches of 2 x 3072 tokens."""
+    from megarl.config import load_config
+    from megarl.launch_plan import format_plan, plan_run
+
+    def actor(*overrides):
+        plan = plan_run(load_config(GRPO_70B, overrides, check_files=False), gpu_memory_gib=80)
+        return next(r for r in plan.roles if r.role == "actor"), plan
+
+    shared, plan = actor()  # rollout.n=8: shared-prompt rows by default
+    assert "shared_prefix attention" in format_plan(plan) and plan.fits
+    plain, _ = actor("actor.shared_prompts=false")
+    packed, plan = actor("actor.sequence_packing=true")
+    assert (shared.attention, plain.attention, packed.attention) == ("shared_prefix", "sdpa", "context_parallel")
+    pairs = 20 * 4 * 2 * 3072 * 3072  # (layer, query token, key) entries kept at once
+    acts = plain.memory.components["activations"]
+    assert shared.memory.components["activations"] == acts + pairs * 2  # bf16 mask
+    assert packed.memory.components["activations"] == acts + pairs * 64 // 8 * (4 + 2)  # 72 GiB of scores
+    assert not plan.fits
+
+
 def test_rollout_memory_by_hand():
     shape = ModelShape.from_hf(TINY)
     # SGLang tp=2: per layer 64*(32 + 2*16) + 32*64 + 3*64*128/2 + 128 = 18560; vocab padded to
