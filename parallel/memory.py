@@ -36,11 +36,10 @@ token per layer, in elements:
   (``parallel.models.core_attention_kind``), per query token and per key of its sequence (S keys,
   S = max prompt + max response: exact for padded rows, a bound for packed and shared-prefix ones):
   sdpa                  nothing (torch's flash / memory-efficient kernels on CUDA)
-  context_parallel      the [b, nh/tp, S/cp, S] scores: fp32 softmax and its copy in the
-                        activation dtype, nh/tp * (4 + dtype size) bytes (4 in fp32)
-  shared_prefix         its [branches, L, P + L] boolean mask, which SDPA turns into an additive
-                        bias in the activation dtype at every layer (memory-efficient kernel on
-                        CUDA; no score matrix), shared by the heads: dtype size bytes
+  context_parallel,     their boolean masks ([S/cp, S] causal on global positions; [branches, L,
+  shared_prefix         P + L] per branch), which SDPA turns into an additive bias in the
+                        activation dtype at every layer (memory-efficient kernel on CUDA; no
+                        score matrix), shared by the heads: dtype size bytes
   Full recompute keeps only each layer's input (h elements, /tp with SP) plus one layer's full
   set while it is recomputed.
   Pipeline (1F1B): stage s holds min(pp - s, micro-batches) micro-batches in flight (the first
@@ -141,9 +140,7 @@ class ModelShape:
         q/k/v and its output (see module doc), for a ``parallel.models.core_attention_kind`` name."""
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention={attention!r}; use one of {ATTENTION_KINDS}")
-        if attention == "context_parallel":
-            return self.heads / tp * (4 + (dtype_size if dtype_size < 4 else 0))
-        return dtype_size if attention == "shared_prefix" else 0
+        return 0 if attention == "sdpa" else dtype_size
 
 
 def megatron_stage_params(shape: ModelShape, layout, stage: int, *, value_head: bool = False) -> int:

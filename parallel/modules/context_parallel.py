@@ -18,10 +18,11 @@ constructor and forward signature so it drops into the layer spec's ``core_atten
 - TP splits heads and sequence parallelism only changes what the projections gather, so neither
   concerns this module.
 
-Memory: each rank holds K/V of the whole sequence and a [b, heads/tp, S/cp, S] score matrix.
-That is fine for tests and moderate lengths; long contexts want ring attention (TE's "p2p"
-cp_comm_type: K/V blocks circulate and a rank never holds all of them). On GPUs with Transformer
-Engine installed, use TE's attention instead (see parallel.layout.layer_spec).
+Memory: each rank holds K/V of the whole sequence and the [S/cp, S] causal mask on global
+positions, which torch's SDPA (memory-efficient kernel on CUDA) turns into a bias shared by the
+heads; no [b, heads/tp, S/cp, S] score matrix is kept. Long contexts want ring attention (TE's
+"p2p" cp_comm_type: K/V blocks circulate and a rank never holds all of them). On GPUs with
+Transformer Engine installed, use TE's attention instead (see parallel.models.layer_spec).
 
 Packed sequences (megatron's "thd" format, ``PackedSeqParams`` with cu_seqlens; built by
 ``parallel.modules.packing``): several sequences share one row, each query attends causally within its own
@@ -107,15 +108,15 @@ def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor
     return key_pos.unsqueeze(-2) <= query_pos.unsqueeze(-1)
 
 
-def _causal_attention(query, key, value, query_pos, key_pos, softmax_scale, dropout):
-    """Queries [sq, b, np, hn] over keys/values [sk, b, np, hn], masked on positions -> [sq, b, np*hn]."""
-    # [b, np, sq, hn] @ [b, np, hn, sk] -> scores [b, np, sq, sk]
-    scores = torch.matmul(query.permute(1, 2, 0, 3), key.permute(1, 2, 3, 0)) * softmax_scale
-    scores = scores.float().masked_fill(~allowed_keys(query_pos, key_pos), torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    if dropout is not None:
-        probs = dropout(probs)
-    context = torch.matmul(probs, value.permute(1, 2, 0, 3))  # [b, np, sq, hn]
+def _causal_attention(query, key, value, query_pos, key_pos, softmax_scale, dropout_p):
+    """Queries [sq, b, np, hn] over keys/values [sk, b, np, hn], masked on positions -> [sq, b, np*hn].
+    torch's SDPA with the boolean mask: on CUDA its memory-efficient kernel keeps a [sq, sk] bias
+    shared by the heads, not a [b, np, sq, sk] score matrix."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
+    context = scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(query_pos, key_pos),
+                                           dropout_p=dropout_p, scale=softmax_scale)
     return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
@@ -126,7 +127,7 @@ def context_parallel_attention(
     softmax_scale: float,
     cp_group: Optional[dist.ProcessGroup],
     split: str = "zigzag",
-    dropout: Optional[torch.nn.Module] = None,
+    dropout_p: float = 0.0,
     cu_seqlens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of local queries [sq, b, np, hn] over the whole CP group's keys/values
@@ -154,7 +155,7 @@ def context_parallel_attention(
     if cu_seqlens is None:
         query_pos = token_positions(local_len, cp_size, cp_rank, split)
         key_pos = torch.cat([token_positions(local_len, cp_size, r, split) for r in range(cp_size)])
-        return _causal_attention(query, key, value, query_pos, key_pos, softmax_scale, dropout)
+        return _causal_attention(query, key, value, query_pos, key_pos, softmax_scale, dropout_p)
     query_pos = packed_token_positions(cu_seqlens, cp_size, cp_rank)
     # Gathered keys are in CP-rank order and each rank's share is grouped by sequence in row
     # order, so sequence i's keys are slice i of every rank's share.
@@ -165,7 +166,7 @@ def context_parallel_attention(
         part = slice(offset, offset + (end - start) // cp_size)
         offset = part.stop
         contexts.append(_causal_attention(query[part], keys[:, part].flatten(0, 1), values[:, part].flatten(0, 1),
-                                          query_pos[part], key_pos[:, part].flatten(), softmax_scale, dropout))
+                                          query_pos[part], key_pos[:, part].flatten(), softmax_scale, dropout_p))
     return torch.cat(contexts)
 
 
@@ -213,10 +214,10 @@ class ContextParallelAttention(MegatronModule):
         if packed_seq_params is not None:
             cu_seqlens = packed_boundaries(packed_seq_params)
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # thd: batch dim 1
-        dropout = self.attention_dropout if self.attention_dropout.p > 0 and self.training else None
+        dropout_p = self.attention_dropout.p if self.training else 0.0
         with self.dropout_rng():
             context = context_parallel_attention(query, key, value, self.softmax_scale, self.cp_group,
-                                                 dropout=dropout, cu_seqlens=cu_seqlens)
+                                                 dropout_p=dropout_p, cu_seqlens=cu_seqlens)
         return context if cu_seqlens is None else context.squeeze(1)
 
     def dropout_rng(self):

@@ -119,7 +119,8 @@ def test_training_memory_by_hand():
 
 def test_attention_memory_by_hand():
     """What the core attention keeps per (query token, key), on top of test_training_memory_by_hand's
-    activations: nothing for SDPA; the scores for context-parallel attention; a mask for shared prefixes."""
+    activations: nothing for SDPA; the mask as an additive bias shared by the heads for the
+    context-parallel and shared-prefix attentions (both run SDPA with a boolean mask)."""
     one = MegatronLayout(tp=2, sequence_parallel=True)
     per_layer = 416 * 64 * 2  # as above: 64 tokens, bf16, tp=2 with SP
 
@@ -128,16 +129,15 @@ def test_attention_memory_by_hand():
                                **attention).components["activations"]
 
     assert activations(attention="sdpa", sequence_length=32) == activations() == 4 * per_layer
-    # context parallel: 4 heads / tp=2, fp32 softmax + bf16 probs = 2 * (4 + 2) bytes per key, 64 tokens x 32 keys
-    assert activations(attention="context_parallel", sequence_length=32) == 4 * (per_layer + 12 * 64 * 32)
+    # a bf16 bias per query token and key: 64 tokens x 32 keys x 2 bytes
+    assert activations(attention="context_parallel", sequence_length=32) == 4 * (per_layer + 2 * 64 * 32)
+    assert activations(attention="shared_prefix", sequence_length=32) == 4 * (per_layer + 2 * 64 * 32)
     # cp=2: half the tokens per rank, each still over all 32 keys
     cp2 = MegatronLayout(tp=2, cp=2, sequence_parallel=True)
-    assert activations(cp2, attention="context_parallel", sequence_length=32) == 4 * (per_layer + 12 * 64 * 32) // 2
-    # fp32: the softmax is the probs (4 bytes per head and key); activations 4 bytes each
+    assert activations(cp2, attention="context_parallel", sequence_length=32) == 4 * (per_layer + 2 * 64 * 32) // 2
+    # fp32: 4 bytes per activation and per bias entry
     assert activations(dtype="float32", attention="context_parallel", sequence_length=32) == 4 * (
-        416 * 64 * 4 + 2 * 4 * 64 * 32)
-    # shared prefix: a bf16 additive mask per token and key, shared by the heads
-    assert activations(attention="shared_prefix", sequence_length=32) == 4 * (per_layer + 2 * 64 * 32)
+        416 * 64 * 4 + 4 * 64 * 32)
     with pytest.raises(ValueError, match="pass sequence_length"):
         activations(attention="context_parallel")
     with pytest.raises(ValueError, match="attention='flash'; use one of"):
@@ -162,8 +162,8 @@ def test_plan_attention_follows_the_rows():
     pairs = 20 * 4 * 2 * 3072 * 3072  # (layer, query token, key) entries kept at once
     acts = plain.memory.components["activations"]
     assert shared.memory.components["activations"] == acts + pairs * 2  # bf16 mask
-    assert packed.memory.components["activations"] == acts + pairs * 64 // 8 * (4 + 2)  # 72 GiB of scores
-    assert not plan.fits
+    assert packed.memory.components["activations"] == acts + pairs * 2  # bf16 bias of the causal mask
+    assert plan.fits
 
 
 def test_rollout_memory_by_hand():

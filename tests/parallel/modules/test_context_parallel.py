@@ -79,8 +79,10 @@ def test_cp_attention_equals_megatron_attention(cp, cases):
         for r in results:
             where = f"cp={cp} rank={rank} heads,groups={r['case']}"
             assert r["positions_match_megatron"], where
-            assert r["out"] < 1e-6, (where, r)
-            assert max(r["grads"]) < 1e-6, (where, r)
+            # fp32 rounding of SDPA against DotProductAttention's explicit softmax (measured up to
+            # 2e-6 on gradients; tests/parallel/modules/test_sdpa_attention.py uses the same bound)
+            assert r["out"] < 5e-6, (where, r)
+            assert max(r["grads"]) < 5e-6, (where, r)
             # The controls must be far off, or the comparison above proves nothing.
             assert r["contiguous_control"] > 1e-2, (where, r)
             assert r["no_gather_control"] > 1e-2, (where, r)
