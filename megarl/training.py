@@ -2,7 +2,10 @@
 
 Wraps model chunks in megatron's DDP, builds megatron's optimizer (Adam, gradient clipping,
 optional distributed optimizer) and runs one optimizer step through megatron's own
-forward-backward schedules (no pipelining, 1F1B or interleaved, chosen from the layout).
+forward-backward schedules (no pipelining, 1F1B or interleaved, chosen from the layout). A bf16
+model (``parallel.models.build_model_chunks`` with ``params_dtype=torch.bfloat16``: every
+parameter bf16) trains as megatron's bf16 path does: grads accumulated and reduced in fp32, fp32
+main parameters in the optimizer.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def lm_forward_step(data_iterator: Iterator[dict], model) -> tuple[torch.Tensor,
     """
     batch = next(data_iterator)
     tokens = batch["tokens"]
-    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     local = split_for_context_parallel(
         {"tokens": tokens, "labels": batch["labels"], "loss_mask": batch["loss_mask"], "position_ids": position_ids}
     )
@@ -162,9 +165,9 @@ def train_step(
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         # Token-weighted mean over this step's micro-batches on every data- and context-parallel
         # rank (each CP rank logged the sum and count of its own tokens).
-        sums = torch.tensor(
+        sums = torch.tensor(  # on the GPU with NCCL (where this process's current device is)
             [sum(float(item["lm loss"][0]) for item in losses), sum(float(item["lm loss"][1]) for item in losses)],
-            dtype=torch.float64,
+            dtype=torch.float64, device=micro_batches[0]["tokens"].device,
         )
         torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         loss = float(sums[0] / sums[1].clamp(min=1.0))

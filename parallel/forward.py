@@ -36,7 +36,7 @@ def forward_only_outputs(chunks: list, tokens: torch.Tensor, keep: Callable, wha
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        positions = torch.arange(batch.shape[1]).unsqueeze(0).expand_as(batch)
+        positions = torch.arange(batch.shape[1], device=batch.device).unsqueeze(0).expand_as(batch)
         local = split_for_context_parallel({"tokens": batch, "position_ids": positions})
         output = model(local["tokens"], local["position_ids"], attention_mask=None)
 

@@ -23,7 +23,10 @@ def megatron_config(
     params_dtype: torch.dtype = torch.float32,
     **config_overrides: Any,
 ):
-    """megatron's TransformerConfig for an HF config at a layout (no process groups needed)."""
+    """megatron's TransformerConfig for an HF config at a layout (no process groups needed). Its
+    ``bf16``/``fp16`` flags follow ``params_dtype`` as megatron's ``--bf16``/``--fp16`` set them,
+    so what branches on them (the attention's fp32 softmax of half-precision scores) sees the
+    model's real precision."""
     from megatron.core.transformer import TransformerConfig
 
     from model_specs import family_for
@@ -35,6 +38,8 @@ def megatron_config(
         **layout.transformer_config_kwargs(),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,
         **config_overrides,
     )
@@ -134,6 +139,22 @@ def build_model_chunks(
         if llama3_overrides:
             _rescale_llama3_rope(chunks[-1].rotary_pos_emb, config.kv_channels, model_kwargs["rotary_base"],
                                  llama3_overrides)
+    return place_chunks(chunks)
+
+
+def place_chunks(chunks: list) -> list:
+    """What megatron's Float16Module and its ``get_model``'s ``.cuda()`` do to built chunks: every
+    floating parameter and buffer in ``config.params_dtype`` (without TE or apex the local spec's
+    norms are torch RMSNorms, built in fp32 whatever params_dtype says: a bf16 actor then trained
+    fp32 norms, and gathering them for an HF export at TP=2 aborted in gloo), on this process's
+    current GPU when there is one (weights are initialised on the CPU: use_cpu_initialization).
+    RoPE's ``inv_freq`` is a plain attribute: moved by hand, kept fp32. Returns ``chunks``."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    for chunk in chunks:
+        chunk.to(device=device, dtype=chunk.config.params_dtype)
+        rope = getattr(chunk, "rotary_pos_emb", None)
+        if device is not None and rope is not None:
+            rope.inv_freq = rope.inv_freq.to(device)
     return chunks
 
 
@@ -249,7 +270,7 @@ def build_value_model_chunks(
                 raise AssertionError("critic chunk was built with tied embeddings")
             model.output_layer = ValueHead(model.config)
     init_value_head(chunks, head_seed, hf_config.get("initializer_range", 0.02) if head_std is None else head_std)
-    return chunks
+    return place_chunks(chunks)
 
 
 

@@ -77,6 +77,8 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, env, conn, init_distrib
             from parallel.cpu import compat as cpu_compat
 
             cpu_mode = cpu_compat.apply()
+            if not cpu_mode:  # one GPU per rank, before NCCL picks the current device
+                torch.cuda.set_device(rank % torch.cuda.device_count())
             dist.init_process_group(
                 backend="gloo" if cpu_mode else "nccl", init_method=f"tcp://127.0.0.1:{port}",
                 rank=rank, world_size=world_size, timeout=timedelta(seconds=float(env.get("MEGARL_DIST_TIMEOUT_S", 120))),

@@ -377,6 +377,10 @@ RUN_ADVANTAGE_INPUTS = ("index", "values", "gamma", "lam", "norm_by_std")
 def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None) -> None:
     from megarl.algorithms import advantage_spec, list_advantages
 
+    if cfg.model.dtype == "float16":
+        p.add("model.dtype", "float16", "the actor would train in fp16, which needs loss scaling that megarl does "
+              "not configure (megatron's fp16 optimizer skips every step at its initial scale)",
+              "use bfloat16 (same memory, no loss scaling) or float32")
     adv = cfg.algorithm.advantage
     # what the estimator declared at registration (an unknown name is a registry problem)
     spec = advantage_spec(adv) if adv in list_advantages() else None

@@ -331,3 +331,8 @@ def test_estimators_needing_inputs_a_run_does_not_compute_are_refused(problems, 
     assert line.startswith(f"algorithm.advantage=\"{estimator}\": needs {missing}, which a megarl run does not compute")
     usable = line.split("pick one of [")[1].split("]")[0]
     assert "'grpo'" in usable and "'gae'" in usable and "remax" not in usable and "prime" not in usable
+
+
+def test_fp16_training_is_refused_with_the_fix(problems):
+    line = _one(problems("model.dtype=float16"))
+    assert line.startswith('model.dtype="float16": the actor would train in fp16') and "use bfloat16" in line

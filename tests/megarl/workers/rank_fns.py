@@ -52,3 +52,76 @@ def worker_reward_values(rm_dir, layout_kwargs, batch, micro_batch_size, batchin
     values = worker.forward("reward_model", batch)
     worker.shutdown()
     return {"scores": values}
+
+
+def _main_param_pairs(optimizer):
+    """(the part of a bf16/fp16 model parameter that this rank's optimizer updates, its fp32 main
+    parameter) for every main parameter of megatron's mixed-precision optimizers: the whole
+    parameter (Float16OptimizerWithFloat16Params) or this rank's shard of it (DistributedOptimizer)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in optimizer.chained_optimizers:
+        if isinstance(inner, DistributedOptimizer):
+            for models, mains in zip(inner.model_float16_groups, inner.shard_fp32_from_float16_groups):
+                for model, main in zip(models, mains):
+                    span = inner._get_model_param_range_map(model)["param"]
+                    yield model.detach().view(-1)[span.start:span.end], main.detach()
+        else:
+            for models, mains in zip(getattr(inner, "float16_groups", []), getattr(inner, "fp32_from_float16_groups", [])):
+                for model, main in zip(models, mains):
+                    yield model.detach().view(-1), main.detach().view(-1)
+
+
+def worker_mixed_precision_updates(hf_dir, layout_kwargs, dtype, batch, steps, lr, rollout_tp=None,
+                                   round_main_params=False):
+    """A MegatronWorker's actor built in ``dtype`` trains ``steps`` updates on ``batch`` (vanilla
+    policy gradient: with unit advantages its loss is the responses' mean NLL). Returns the
+    losses, what precision each part holds (parameters, DDP grad buffers, optimizer main
+    parameters) and, with ``rollout_tp``, this device's SGLang shards (packed for transport) and
+    the trained weights under their HF names (rank 0). ``round_main_params``: the main parameters
+    are rounded to ``dtype`` after every step, as if the optimizer kept no fp32 copy."""
+    from megarl.config.schema import OptimSettings
+    from megarl.workers.batch import MicroBatching, response_mask
+    from megarl.workers.losses import LossSettings
+    from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
+    from parallel.checkpoint.convert import gather_hf_tensors
+    from parallel.layout import MegatronLayout
+    from parallel.reshard.plan import plan_megatron_to_sglang
+
+    layout = MegatronLayout(**layout_kwargs)
+    worker = MegatronWorker()
+    loss = LossSettings(policy_loss="vanilla", loss_agg_mode="token-mean")
+    worker.setup(ModelSpec("actor", hf_dir, layout, MicroBatching(micro_batch_size=2),
+                           OptimSettings(lr=lr, weight_decay=0.0), total_optimizer_steps=steps, loss=loss,
+                           dtype=dtype), seed=7)
+    model = worker.models["actor"]
+    mask = response_mask(batch)
+    counts = {"tokens": float(mask.sum()), "sequences": float((mask.sum(-1) > 0).sum())}
+    metrics = []
+    for _ in range(steps):
+        metrics.append(worker.update("actor", batch, counts))
+        if round_main_params:
+            for _, main in _main_param_pairs(model.optimizer):
+                main.copy_(main.to(getattr(torch, dtype)))
+    pairs = list(_main_param_pairs(model.optimizer))
+    inner = model.optimizer.chained_optimizers
+    out = {
+        "metrics": metrics,
+        "optimizers": [type(o).__name__ for o in inner],
+        "param_dtypes": {str(p.dtype) for module in model.modules for p in module.parameters()},
+        "grad_buffers": {(str(b.param_dtype), str(b.grad_dtype)) for chunk in model.chunks for b in chunk.buffers},
+        "main_param_dtypes": {str(main.dtype) for _, main in pairs},
+        "main_param_numel": sum(main.numel() for _, main in pairs),
+        "model_is_rounded_main": all(torch.equal(part, main.to(part.dtype)) for part, main in pairs),
+        "main_finer_than_model": sum(int((main != part.float()).sum()) for part, main in pairs),
+        "fused_adam": [group["fused"] for o in inner for group in o.optimizer.param_groups],
+        "param_numel": sum(p.numel() for module in model.modules for p in module.parameters()),
+        "params": {name: p.detach().clone() for name, p in model.modules[0].named_parameters()},
+    }
+    if rollout_tp:
+        plan = plan_megatron_to_sglang(model.hf_config, layout, dist.get_world_size(), rollout_tp, element_size=2)
+        out["shards"] = worker.rollout_shards(plan)
+        out["hf"] = {name: tensor for name, tensor in gather_hf_tensors(model.chunks, model.hf_config, layout)
+                     if tensor is not None}
+    worker.shutdown()
+    return out
