@@ -95,6 +95,7 @@ def _convert(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
+    from model_specs import check_layer_spec
     from parallel.checkpoint.dist_ckpt import read_checkpoint_metadata
     from parallel.checkpoint.errors import CheckpointError
     from parallel.checkpoint.hf_io import HFCheckpoint
@@ -103,7 +104,12 @@ def _convert(args: argparse.Namespace) -> int:
     layout = MegatronLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
     under_launcher = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else layout.tp * layout.pp
+    layer_spec = args.layer_spec or "local"
     try:  # everything checkable is checked here, before any rank starts
+        check_layer_spec(layer_spec, "--layer-spec")
+        if args.layer_spec is not None and args.direction == "megatron-to-hf":
+            raise ValueError(f"--layer-spec={args.layer_spec!r} applies to hf-to-megatron (the spec the checkpoint "
+                             "is written for); megatron-to-hf reads checkpoints of either spec: drop --layer-spec")
         if Path(args.output).exists():
             raise CheckpointError(f"--output {args.output} already exists; choose a new directory or remove it")
         if args.direction == "hf-to-megatron":
@@ -125,11 +131,12 @@ def _convert(args: argparse.Namespace) -> int:
             from parallel.cpu import compat as cpu_compat
 
             dist.init_process_group("gloo" if cpu_compat.apply() else "nccl")
-            report = conversion_on_rank(args.direction, args.input, args.output, layout, not args.no_verify)
+            report = conversion_on_rank(args.direction, args.input, args.output, layout, not args.no_verify,
+                                        layer_spec)
             dist.destroy_process_group()
         else:
             report = run_on_ranks(conversion_on_rank, world, args.direction, args.input, args.output, layout,
-                                  not args.no_verify, timeout_s=args.timeout)[0]
+                                  not args.no_verify, layer_spec, timeout_s=args.timeout)[0]
     except Exception as error:  # noqa: BLE001 - reported as one line, not a traceback
         if first:
             _remove_unpublished(Path(args.output))
@@ -318,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--pp", type=int, default=1)
     convert.add_argument("--vpp", type=int, default=None)
     convert.add_argument("--no-verify", action="store_true", help="skip read-back and logit probe")
+    convert.add_argument("--layer-spec", default=None, metavar="{local,te}",
+                         help="hf-to-megatron: write the checkpoint as a model of megatron's local spec (default) "
+                              "or Transformer Engine spec (norms fused into linear_qkv/linear_fc1) saves it; both "
+                              "hold the same keys and load into either")
     convert.add_argument("--timeout", type=float, default=3600.0)
     convert.set_defaults(func=_convert)
 

@@ -1,6 +1,16 @@
 """Model families and size presets; nothing here knows about processes."""
 
-from model_specs.base import CLASSIFIER_HEAD, ModelFamily, UnsupportedModelError, classifier_labels, padded_vocab_size
+from model_specs.base import (
+    CLASSIFIER_HEAD,
+    LAYER_SPECS,
+    ModelFamily,
+    UnsupportedModelError,
+    check_layer_spec,
+    classifier_labels,
+    layer_spec_of,
+    megatron_name,
+    padded_vocab_size,
+)
 from model_specs.llama import LLAMA
 from model_specs.mistral import MISTRAL
 from model_specs.qwen2 import QWEN2
@@ -20,5 +30,6 @@ def family_for(hf_config: dict) -> ModelFamily:
     return FAMILIES[model_type]
 
 
-__all__ = ["CLASSIFIER_HEAD", "classifier_labels", "FAMILIES", "LLAMA", "MISTRAL", "QWEN2", "QWEN3", "ModelFamily",
-           "UnsupportedModelError", "family_for", "padded_vocab_size"]
+__all__ = ["CLASSIFIER_HEAD", "LAYER_SPECS", "classifier_labels", "check_layer_spec", "FAMILIES", "LLAMA", "MISTRAL",
+           "QWEN2", "QWEN3", "ModelFamily", "UnsupportedModelError", "family_for", "layer_spec_of", "megatron_name",
+           "padded_vocab_size"]

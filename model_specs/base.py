@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +81,52 @@ class WeightRule:
         return "{layer}" in self.megatron
 
 
-def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool) -> list[WeightRule]:
-    """Megatron local-spec GPT parameters <-> HF Llama-style names (Llama, Qwen2, Qwen3, Mistral)."""
+# The Megatron transformer-layer specs whose parameter names megarl maps. "local": megatron's
+# get_gpt_layer_local_spec (pure torch; what megarl builds and runs on CPU). "te":
+# get_gpt_layer_with_transformer_engine_spec, whose TELayerNormColumnParallelLinear fuses the RMSNorm
+# before attention into linear_qkv and the one before the MLP into linear_fc1 (input_layernorm and
+# pre_mlp_layernorm are IdentityOp there). Every other parameter has the same name, shape and TP split
+# in both; q/k layernorms (Qwen3) and the final norm stay separate norms in TE too.
+LAYER_SPECS = ("local", "te")
+# local-spec parameter suffix -> TE-spec suffix: the one place the two namings differ. Megatron's
+# distributed-checkpoint keys already use the TE spelling for both specs (the local spec declares
+# sharded_state_dict_keys_map {'input_layernorm.': 'self_attention.linear_qkv.layer_norm_', ...}).
+TE_FUSED_NORM_NAMES = {
+    ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+    ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def check_layer_spec(layer_spec: str, field: str = "layer_spec") -> str:
+    """``layer_spec`` if megarl maps it, else a ValueError naming ``field``, the value and the choices."""
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"{field}={layer_spec!r} is not a layer spec megarl maps; use one of {list(LAYER_SPECS)} "
+                         "('local': megatron's local spec, 'te': the Transformer Engine spec)")
+    return layer_spec
+
+
+def megatron_name(local_name: str, layer_spec: str) -> str:
+    """A Megatron parameter name of the local spec as ``layer_spec`` spells it (``{layer}``
+    placeholders and concrete layer indices alike)."""
+    if check_layer_spec(layer_spec) == "te":
+        for local, te in TE_FUSED_NORM_NAMES.items():
+            if local_name.endswith(local):
+                return local_name[: -len(local)] + te
+    return local_name
+
+
+def layer_spec_of(parameter_names: Iterable[str]) -> str:
+    """Which layer spec a model's parameter names are spelled in: "te" if any is a fused norm
+    (``...linear_qkv.layer_norm_weight``), else "local" (a chunk without decoder layers is spelled
+    the same in both)."""
+    fused = tuple(TE_FUSED_NORM_NAMES.values())
+    return "te" if any(name.endswith(fused) for name in parameter_names) else "local"
+
+
+def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool, layer_spec: str = "local"
+                     ) -> list[WeightRule]:
+    """Megatron GPT parameters <-> HF Llama-style names (Llama, Qwen2, Qwen3, Mistral), the
+    Megatron names spelled as ``layer_spec`` (``LAYER_SPECS``) spells them."""
     layer, attn, mlp = "decoder.layers.{layer}", "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
     rules = [
         WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab",
@@ -116,7 +160,7 @@ def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool) -> li
     tied = bool(hf.get("tie_word_embeddings"))
     lm_head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     rules.append(WeightRule("output_layer.weight", (lm_head,), "vocab", None if tied else "lm_head.weight"))
-    return rules
+    return [dataclasses.replace(rule, megatron=megatron_name(rule.megatron, layer_spec)) for rule in rules]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +236,11 @@ class ModelFamily:
             gradient_accumulation_fusion=False,
         )
 
-    def weight_rules(self, hf: Mapping[str, Any]) -> list[WeightRule]:
-        """Every Megatron parameter of this family and the HF tensors it is made of."""
+    def weight_rules(self, hf: Mapping[str, Any], layer_spec: str = "local") -> list[WeightRule]:
+        """Every Megatron parameter of this family (named as ``layer_spec`` names it) and the HF
+        tensors it is made of."""
         self.validate(hf)
-        return gpt_weight_rules(hf, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        return gpt_weight_rules(hf, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, layer_spec=layer_spec)
 
     def hf_tensor_names(self, hf: Mapping[str, Any]) -> list[str]:
         """Every tensor an HF checkpoint of this config holds (tied models: no lm_head)."""

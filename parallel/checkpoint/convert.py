@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.checkpoint.errors import CheckpointError
-from parallel.checkpoint.hf_io import HFCheckpoint, check_chunk_names
+from parallel.checkpoint.hf_io import HFCheckpoint, check_chunk_names, chunks_layer_spec
 from parallel.forward import prompt_logits
 from parallel.layout import MegatronLayout
 from parallel.models import init_value_head, unwrap_model, value_heads
@@ -40,8 +40,9 @@ def fill_local_tensor(dst: torch.Tensor, local: LocalTensor, ckpt: HFCheckpoint)
 
 
 def load_hf_into_chunks(chunks: list, ckpt: HFCheckpoint, layout: MegatronLayout) -> None:
-    """Fill this rank's GPTModel chunks from ``ckpt`` (call on every rank after building them)."""
-    expected = megatron_shards(ckpt.config, layout)[this_megatron_rank()]
+    """Fill this rank's GPTModel chunks from ``ckpt`` (call on every rank after building them);
+    the chunks' parameters may be named as either layer spec names them (``chunks_layer_spec``)."""
+    expected = megatron_shards(ckpt.config, layout, layer_spec=chunks_layer_spec(chunks))[this_megatron_rank()]
     with torch.no_grad():
         for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
             params = dict(unwrap_model(chunk).named_parameters())
@@ -79,9 +80,10 @@ def gather_hf_tensors(chunks: list, hf: Mapping[str, Any], layout: MegatronLayou
 
     Every rank knows which boxes every other rank holds (the shards are computed from the
     config), so each contributing rank sends one flat buffer per tensor to rank 0 and rank 0
-    receives into buffers of known size: no pickling, one tensor in flight.
+    receives into buffers of known size: no pickling, one tensor in flight. The chunks'
+    parameters may be named as either layer spec names them (the boxes are the same).
     """
-    shards = megatron_shards(hf, layout)
+    shards = megatron_shards(hf, layout, layer_spec=chunks_layer_spec(chunks))
     me = dist.get_rank()
     contributors = _contributing_ranks(layout, dist.get_world_size())
     boxes = {rank: _boxes_by_hf_name(shards[position]) for rank, position in contributors.items()}
@@ -267,8 +269,10 @@ def _verified(out_dir: str, checks) -> str:
         raise CheckpointError(f"{out_dir} not written: {error}") from None
 
 
-def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bool = True) -> dict:
-    """Collective: convert an HF checkpoint into a Megatron dist checkpoint, sharded at ``layout``.
+def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bool = True,
+                   layer_spec: str = "local") -> dict:
+    """Collective: convert an HF checkpoint into a Megatron dist checkpoint, sharded at ``layout``,
+    as a model of ``layer_spec`` (``model_specs.LAYER_SPECS``; see ``stream.save_streamed``) saves it.
 
     Streams: each rank writes its shards straight from the safetensors files, one shard in
     memory at a time (``parallel.checkpoint.stream``); no rank builds the model's weights, except the
@@ -276,16 +280,19 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
     checkpoint in its partial directory: it is renamed to ``out_dir`` only if every check passed."""
     import time
 
+    from model_specs import check_layer_spec
     from parallel.checkpoint.dist_ckpt import write_megatron_checkpoint
     from parallel.checkpoint.hf_io import INDEX_FILE, tensor_checksum
     from parallel.checkpoint.stream import read_hf_tensors, save_streamed
     from parallel.layout import initialize_megatron
 
     start = time.monotonic()
+    check_layer_spec(layer_spec)
     ckpt = HFCheckpoint(hf_dir)
     layout.validate(dist.get_world_size(), ckpt.config)
     initialize_megatron(layout)
-    _log(f"{hf_dir} -> {out_dir} at tp={layout.tp} pp={layout.pp} vpp={layout.vpp} on {dist.get_world_size()} rank(s)")
+    _log(f"{hf_dir} -> {out_dir} at tp={layout.tp} pp={layout.pp} vpp={layout.vpp} on {dist.get_world_size()} rank(s), "
+         f"{layer_spec} layer spec")
     if ckpt.unindexed_files:
         _log(f"not reading {[f.name for f in ckpt.unindexed_files]}: {INDEX_FILE} does not list them")
     names = list(hf_tensor_shapes(ckpt.config))
@@ -297,7 +304,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
     checksums = {name: checksums[name] for name in names}
 
     def write(directory):
-        save_streamed(ckpt, layout, directory)
+        save_streamed(ckpt, layout, directory, layer_spec)
         if verify:  # before the rename: a checkpoint that does not read back is never put in place
             stream = read_hf_tensors(directory, ckpt.config, layout, shared=True)
             bad = [name for name, tensor in stream if tensor_checksum(tensor) != checksums[name]]
@@ -314,7 +321,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
         probe = _verified(out_dir, lambda: logit_probe(str(directory), layout, hf_dir))
         _log(f"verified: {len(checksums)} tensors read back bit-exact; {probe}")
 
-    write_megatron_checkpoint(out_dir, ckpt.config, layout, checksums, write, check if verify else None)
+    write_megatron_checkpoint(out_dir, ckpt.config, layout, checksums, write, check if verify else None,
+                              layer_spec=layer_spec)
     _log(f"saved {out_dir} in {time.monotonic() - start:.1f} s")
     report = {"tensors": len(names), "conversion_peak_rss_bytes": measured.get("conversion_peak_rss_bytes")
               or peak_rss_bytes()}
@@ -323,7 +331,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
 
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: bool = True) -> dict:
-    """Collective: export a Megatron dist checkpoint (saved at any layout) as an HF checkpoint.
+    """Collective: export a Megatron dist checkpoint (saved at any layout, for either layer spec:
+    their keys are the same) as an HF checkpoint.
 
     Streams: rank 0 reads one HF tensor at a time from the checkpoint files and writes it; the
     other ranks only contribute their shard boxes (and take part in the logit probe). The export
@@ -343,7 +352,8 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
     hf = metadata["hf_config"]
     layout.validate(dist.get_world_size(), hf)
     initialize_megatron(layout)
-    _log(f"{ckpt_dir} (saved at {metadata['saved_layout']}) -> {out_dir} via tp={layout.tp} pp={layout.pp}")
+    _log(f"{ckpt_dir} (saved at {metadata['saved_layout']}, {metadata.get('layer_spec', 'local')} layer spec) -> "
+         f"{out_dir} via tp={layout.tp} pp={layout.pp}")
     partial = partial_dir(Path(out_dir))
     measured = {}
 
@@ -385,13 +395,16 @@ def _matching_checksums(stream, recorded: Mapping[str, str], source: str):
         yield name, tensor
 
 
-def conversion_on_rank(direction: str, source: str, target: str, layout: MegatronLayout, verify: bool) -> dict:
-    """Entry point of one conversion rank (torch.distributed already initialised)."""
+def conversion_on_rank(direction: str, source: str, target: str, layout: MegatronLayout, verify: bool,
+                       layer_spec: str = "local") -> dict:
+    """Entry point of one conversion rank (torch.distributed already initialised). ``layer_spec``
+    is the spec an hf-to-megatron checkpoint is written for; megatron-to-hf reads either spec's."""
     from megatron.core import parallel_state
 
-    job = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}[direction]
+    jobs = {"hf-to-megatron": lambda: hf_to_megatron(source, target, layout, verify=verify, layer_spec=layer_spec),
+            "megatron-to-hf": lambda: megatron_to_hf(source, target, layout, verify=verify)}
     try:
-        return job(source, target, layout, verify=verify)
+        return jobs[direction]()
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -404,7 +417,7 @@ def load_hf_into_value_chunks(chunks: list, ckpt: HFCheckpoint, layout: Megatron
     fresh critic) lm_head is skipped and the head re-initialised by ``init_value_head``."""
     from model_specs import CLASSIFIER_HEAD, classifier_labels
 
-    expected = megatron_shards(ckpt.config, layout)[this_megatron_rank()]
+    expected = megatron_shards(ckpt.config, layout, layer_spec=chunks_layer_spec(chunks))[this_megatron_rank()]
     with torch.no_grad():
         for index, (chunk, tensors) in enumerate(zip(chunks, expected)):
             params = {name: p for name, p in unwrap_model(chunk).named_parameters()

@@ -2,9 +2,11 @@
 
 The checkpoint is megatron.core.dist_checkpointing's ``torch_dist`` format (global tensors,
 layout-independent), plus ``megarl_checkpoint.json``: the HF config of the model, the layout it
-was saved from, and per-HF-tensor checksums, so a load can verify what it got and an export can
-recreate config.json. Saves go to a hidden partial directory that is renamed when every rank has
-finished: a crash never leaves something that looks like a checkpoint.
+was saved from, the layer spec it was written for (``layer_spec``, "local" when absent: both
+specs' checkpoints hold the same keys and load into either), and per-HF-tensor checksums, so a
+load can verify what it got and an export can recreate config.json. Saves go to a hidden
+partial directory that is renamed when every rank has finished: a crash never leaves something
+that looks like a checkpoint.
 """
 
 from __future__ import annotations
@@ -38,10 +40,13 @@ def save_megatron_checkpoint(
     """Collective over all ranks: save the model chunks at ``target`` (refused if it exists)."""
     from megatron.core import dist_checkpointing
 
+    from parallel.checkpoint.hf_io import chunks_layer_spec
+
     _write_results_in_this_process()
     return write_megatron_checkpoint(
         target, hf_config, layout, checksums,
-        lambda directory: dist_checkpointing.save(_sharded_state_dict(chunks), str(directory)))
+        lambda directory: dist_checkpointing.save(_sharded_state_dict(chunks), str(directory)),
+        layer_spec=chunks_layer_spec(chunks))
 
 
 def _write_results_in_this_process() -> None:
@@ -61,12 +66,13 @@ def _write_results_in_this_process() -> None:
 def write_megatron_checkpoint(
     target: str | Path, hf_config: Mapping[str, Any], layout: MegatronLayout,
     checksums: Mapping[str, str] | None, write: Callable[[Path], None],
-    check: Callable[[Path], None] | None = None,
+    check: Callable[[Path], None] | None = None, layer_spec: str = "local",
 ) -> Path:
     """Collective: ``write(directory)`` (every rank) the dist checkpoint into a hidden partial
-    directory, add megarl's metadata, ``check(directory)`` (every rank; the complete checkpoint,
-    loadable from the partial directory) and rename it to ``target`` when every rank is done. If
-    ``write`` or ``check`` raises, the partial directory is removed and nothing is published."""
+    directory, add megarl's metadata (``layer_spec``: the spec whose model the files were written
+    as), ``check(directory)`` (every rank; the complete checkpoint, loadable from the partial
+    directory) and rename it to ``target`` when every rank is done. If ``write`` or ``check``
+    raises, the partial directory is removed and nothing is published."""
     target = Path(target)
     if target.exists():
         raise CheckpointError(f"{target} already exists; choose a new output directory or remove it")
@@ -84,6 +90,7 @@ def write_megatron_checkpoint(
                     "format_version": FORMAT_VERSION,
                     "hf_config": dict(hf_config),
                     "saved_layout": dataclasses.asdict(layout),
+                    "layer_spec": layer_spec,
                     "checksums": dict(checksums or {}),
                 }
                 (partial / METADATA_FILE).write_text(json.dumps(metadata, indent=1, sort_keys=True))

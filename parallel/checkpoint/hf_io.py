@@ -48,6 +48,15 @@ def check_chunk_names(chunk_index: int, actual: set[str], expected: set[str]) ->
         )
 
 
+def chunks_layer_spec(chunks: list) -> str:
+    """The layer spec (``model_specs.LAYER_SPECS``) the chunks' parameter names are spelled in:
+    a model says itself whether its norms are fused into linear_qkv / linear_fc1 (TE) or not."""
+    from model_specs import layer_spec_of
+    from parallel.models import unwrap_model
+
+    return layer_spec_of(name for chunk in chunks for name, _ in unwrap_model(chunk).named_parameters())
+
+
 def tensor_checksum(tensor: torch.Tensor, algorithm=hashlib.sha256) -> str:
     """Hex digest (``algorithm``: a hashlib-style constructor) of a tensor's dtype, shape and
     row-major bytes: stable across layouts; CUDA tensors are hashed from a host copy."""

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.checkpoint.errors import CheckpointError
-from parallel.checkpoint.hf_io import HFCheckpoint, check_chunk_names
+from parallel.checkpoint.hf_io import HFCheckpoint, check_chunk_names, chunks_layer_spec
 from parallel.layout import MegatronLayout
 from parallel.models import build_model_chunks, unwrap_model
 from parallel.reshard.shards import Box, box_intersection, box_volume, megatron_shards, this_megatron_rank
@@ -55,6 +55,14 @@ class ShardBoxes:
         return tuple((o, o + n) for o, n in zip(self.global_offset, sizes))
 
 
+def te_extra_state() -> torch.Tensor:
+    """What a Transformer Engine module's ``get_extra_state`` returns when it holds no FP8 state
+    (TE 2.x, which megatron-core 0.16 requires: an empty uint8 tensor; with FP8 its pickled scaling
+    state), and so what a TE model's dist checkpoint stores under each linear layer's
+    ``..._extra_state`` key. megatron's local linears store None there; TE 2.x loads both."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
 def meta_chunks(hf: Mapping[str, Any], layout: MegatronLayout) -> list:
     """This rank's GPTModel chunks on the meta device: structure and shapes, no weights."""
     with torch.device("meta"):
@@ -78,10 +86,12 @@ def _box_in_param(view: torch.Tensor, param: torch.Tensor, name: str) -> Box:
 
 def sharded_state_dict_with_boxes(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout):
     """Megatron's sharded state dict of the (meta) chunks, factories applied, and the
-    ``ShardBoxes`` of every ShardedTensor in it, keyed by (key, global offset)."""
+    ``ShardBoxes`` of every ShardedTensor in it, keyed by (key, global offset). The chunks may be
+    of either layer spec (``chunks_layer_spec``): megatron keys the fused norms
+    ``...linear_qkv.layer_norm_weight`` / ``...linear_fc1.layer_norm_weight`` in both."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories, is_main_replica
 
-    expected = megatron_shards(hf, layout)[this_megatron_rank()]
+    expected = megatron_shards(hf, layout, layer_spec=chunks_layer_spec(chunks))[this_megatron_rank()]
     state = {f"chunk{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
     apply_factories(state)
     boxes: dict[tuple[str, tuple[int, ...]], ShardBoxes] = {}
@@ -199,12 +209,25 @@ def _streaming_strategy(resolve: Callable[[str, tuple[int, ...]], torch.Tensor])
     return Strategy("torch_dist", 1, thread_count=1)
 
 
-def save_streamed(ckpt: HFCheckpoint, layout: MegatronLayout, directory: str | Path) -> None:
+def save_streamed(ckpt: HFCheckpoint, layout: MegatronLayout, directory: str | Path, layer_spec: str = "local"
+                  ) -> None:
     """Collective: write this layout's megatron checkpoint of ``ckpt`` into ``directory`` (exists,
-    empty), each rank its own shards, one shard in memory at a time."""
+    empty), each rank its own shards, one shard in memory at a time, as a model of ``layer_spec``
+    saves it. The two specs' checkpoints hold the same keys (megatron-core 0.16: the norms under
+    their fused TE names, an ``_extra_state`` object per linear layer and none for TE's core
+    attention) and the same tensors; a TE checkpoint's extra states are TE's (``te_extra_state``)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    from model_specs import check_layer_spec
+
+    check_layer_spec(layer_spec)
     state, boxes = sharded_state_dict_with_boxes(meta_chunks(ckpt.config, layout), ckpt.config, layout)
+    if layer_spec == "te":
+        for chunk_state in state.values():
+            for name, value in chunk_state.items():
+                if isinstance(value, ShardedObject) and name.endswith("._extra_state"):
+                    value.data = te_extra_state()
 
     def resolve(key, offset):
         entry = boxes.get((key, offset))

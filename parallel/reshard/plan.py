@@ -128,12 +128,13 @@ def separate_pool_rounds(world_size: int, rollout_tp: int) -> list[dict[int, int
 
 def plan_megatron_to_sglang(
     hf: Mapping[str, object], layout: MegatronLayout, world_size: int, rollout_tp: int,
-    engine_ranks: Mapping[int, int] | None = None, element_size: int = 4,
+    engine_ranks: Mapping[int, int] | None = None, element_size: int = 4, layer_spec: str = "local",
 ) -> Plan:
     """Plan the weight sync from a Megatron actor (``layout`` over ``world_size`` devices) into
     SGLang shards of tensor parallelism ``rollout_tp``: ``engine_ranks`` maps each destination
-    device to the SGLang rank whose shards it receives (default: ``colocated_engine_ranks``)."""
-    source = megatron_shards(hf, layout)
+    device to the SGLang rank whose shards it receives (default: ``colocated_engine_ranks``).
+    The copies' source keys are the actor's parameter names as its ``layer_spec`` names them."""
+    source = megatron_shards(hf, layout, layer_spec=layer_spec)
     holders: dict[str, list] = defaultdict(list)  # hf name -> [(device, key, piece)]
     for device, position in megatron_device_positions(layout, world_size).items():
         for chunk_index, tensors in enumerate(source[position]):

@@ -164,16 +164,18 @@ def hf_tensor_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def megatron_shards(
-    hf: Mapping[str, Any], layout: MegatronLayout, make_vocab_size_divisible_by: int = 128
+    hf: Mapping[str, Any], layout: MegatronLayout, make_vocab_size_divisible_by: int = 128, layer_spec: str = "local"
 ) -> dict[MegatronRank, list[dict[str, LocalTensor]]]:
     """For every (pp, tp) rank, per virtual-pipeline chunk, the local tensors of its GPTModel
-    chunk keyed by megatron's parameter name (local layer indices, as in named_parameters())."""
+    chunk keyed by megatron's parameter name (local layer indices, as in named_parameters()) as
+    the model's ``layer_spec`` (``model_specs.LAYER_SPECS``) names it: the boxes are the same for
+    both specs, only the fused norms' names differ."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     layout.validate(layout.tp * layout.pp * layout.cp, hf)
     family = family_for(hf)
-    rules = family.weight_rules(hf)
+    rules = family.weight_rules(hf, layer_spec)
     shapes = hf_tensor_shapes(hf)
     config = megatron_config(hf, layout)
     padded = padded_vocab_size(hf["vocab_size"], make_vocab_size_divisible_by, layout.tp)

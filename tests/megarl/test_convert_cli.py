@@ -109,6 +109,43 @@ def test_bad_hf_input_fails_before_writing(hf_dir, tmp_path, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad-hf"]
 
 
+def test_layer_spec_te_via_the_cli_writes_te_extra_state_and_round_trips_bit_exact(hf_dir, megatron_ckpt, tmp_path):
+    """`--layer-spec te`: the checkpoint a Transformer Engine model saves (the same keys and tensors
+    as the local spec's, TE's empty uint8 extra state per linear layer; tests/parallel/checkpoint/
+    test_te_names.py proves it against mbridge and megatron), recorded as such, verified (the logit
+    probe's local-spec model loads it), and exported back bit-exact."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = tmp_path / "mg-te"
+    result = convert("hf-to-megatron", "--input", str(hf_dir), "--output", str(ckpt), "--tp", "2", "--layer-spec", "te")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "te layer spec" in result.stdout and "logit probe passed" in result.stdout
+    meta = json.loads((ckpt / "megarl_checkpoint.json").read_text())
+    assert meta["layer_spec"] == "te"
+    assert meta["checksums"] == json.loads((megatron_ckpt[0] / "megarl_checkpoint.json").read_text())["checksums"]
+    dcp_to_torch_save(str(ckpt), str(tmp_path / "te.pt"))
+    stored = torch.load(tmp_path / "te.pt", weights_only=False)
+    extra = [value for key, value in stored.items() if "._extra_state" in key]
+    assert extra and all(len(v) == 1 and v[0].dtype == torch.uint8 and v[0].numel() == 0 for v in extra)
+    back = tmp_path / "hf-back"
+    second = convert("megatron-to-hf", "--input", str(ckpt), "--output", str(back), "--pp", "2")
+    assert second.returncode == 0, second.stdout + second.stderr
+    original, exported = load_file(f"{hf_dir}/model.safetensors"), load_file(str(back / "model.safetensors"))
+    assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
+
+
+@pytest.mark.parametrize("direction, value, message", [
+    ("hf-to-megatron", "transformer-engine",
+     "--layer-spec='transformer-engine' is not a layer spec megarl maps; use one of ['local', 'te']"),
+    ("megatron-to-hf", "te", "--layer-spec='te' applies to hf-to-megatron"),
+], ids=["unknown-value", "megatron-to-hf"])
+def test_bad_layer_spec_fails_before_writing(hf_dir, tmp_path, direction, value, message):
+    result = convert(direction, "--input", str(hf_dir), "--output", str(tmp_path / "out"), "--layer-spec", value,
+                     timeout=120)
+    _only_error_line(result, message)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_layout_the_model_cannot_take_fails_before_writing(hf_dir, tmp_path):
     result = convert("hf-to-megatron", "--input", str(hf_dir), "--output", str(tmp_path / "out"), "--tp", "3",
                      timeout=120)

@@ -52,3 +52,25 @@ def test_unsupported_configs_name_the_field(override, message):
     hf = hf_config_dict("tiny-llama", **override)
     with pytest.raises(UnsupportedModelError, match=message):
         family_for(hf).transformer_config_kwargs(hf)
+
+
+def test_te_layer_spec_renames_the_two_fused_norms_and_nothing_else():
+    """Transformer Engine's spec fuses the pre-attention / pre-MLP norms into linear_qkv / linear_fc1;
+    the weight rules differ from the local spec's in those two Megatron names only (the tensors
+    are proven against mbridge in tests/parallel/checkpoint/test_te_names.py)."""
+    import dataclasses
+
+    from model_specs import QWEN3, layer_spec_of, megatron_name
+
+    hf = hf_config_dict("tiny-qwen3")
+    local, te = QWEN3.weight_rules(hf), QWEN3.weight_rules(hf, "te")
+    assert [dataclasses.replace(rule, megatron=other.megatron) for rule, other in zip(local, te, strict=True)] == te
+    assert {(a.megatron, b.megatron) for a, b in zip(local, te) if a != b} == {
+        ("decoder.layers.{layer}.input_layernorm.weight", "decoder.layers.{layer}.self_attention.linear_qkv.layer_norm_weight"),
+        ("decoder.layers.{layer}.pre_mlp_layernorm.weight", "decoder.layers.{layer}.mlp.linear_fc1.layer_norm_weight"),
+    }
+    assert megatron_name("decoder.layers.7.input_layernorm.weight", "local") == "decoder.layers.7.input_layernorm.weight"
+    assert layer_spec_of(megatron_name(r.megatron, "te") for r in local) == "te"
+    assert layer_spec_of(r.megatron for r in local) == layer_spec_of(["embedding.word_embeddings.weight"]) == "local"
+    with pytest.raises(ValueError, match=r"layer_spec='TE' is not a layer spec megarl maps; use one of \['local', 'te'\]"):
+        QWEN3.weight_rules(hf, "TE")

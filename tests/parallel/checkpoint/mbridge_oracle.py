@@ -21,6 +21,9 @@ Each bridge here gets its own copy of the mapping, taken before any bridge was c
 
 Everything else (the QKV interleave by query group, gate/up stacking, TP splits and merges,
 vocab padding rows, PP broadcasts, tied embeddings for Qwen2) is mbridge's own code.
+
+On chunks in TE-spec structure (``te_stand_in.to_te_structure``; ``layer_spec="te"``) mbridge
+needs no name override: its mapping tables are spelled in TE's names. Overrides 2 and 3 stay.
 """
 
 from __future__ import annotations
@@ -52,20 +55,28 @@ _PRISTINE_DIRECT_MAPPING: dict[type, dict[str, str]] = {}
 
 
 def local_spec_bridge(hf_dir: str, layout: MegatronLayout, dtype: torch.dtype = torch.float32):
+    """``bridge_for`` chunks of megatron's local spec."""
+    return bridge_for(hf_dir, layout, dtype, layer_spec="local")
+
+
+def bridge_for(hf_dir: str, layout: MegatronLayout, dtype: torch.dtype = torch.float32, layer_spec: str = "local",
+               parallel_states=None):
     """An mbridge bridge for the HF checkpoint at ``hf_dir``, for chunks built at ``layout`` by
-    ``build_model_chunks`` (call after ``initialize_megatron``: mbridge reads the process groups
-    when it is created)."""
+    ``build_model_chunks`` (``layer_spec="local"``) or rearranged by ``te_stand_in.to_te_structure``
+    (``"te"``). Call after ``initialize_megatron`` (mbridge reads the process groups when it is
+    created), or give mbridge's ``ParallelStates`` for its pure mapping functions only."""
     from mbridge.core.bridge import _MODEL_REGISTRY
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     base = _MODEL_REGISTRY[hf_config.model_type]
     pristine = _PRISTINE_DIRECT_MAPPING.setdefault(base, dict(base._DIRECT_MAPPING))
+    rename = te_name if layer_spec == "local" else (lambda name: name)
 
     class LocalSpecBridge(base):
         def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
-            # override 1: local-spec norm names
-            return super()._weight_name_mapping_mcore_to_hf(te_name(mcore_weights_name))
+            # override 1 (local spec only): local-spec norm names
+            return super()._weight_name_mapping_mcore_to_hf(rename(mcore_weights_name))
 
         def _adjust_mapping_for_shared_weights(self):
             # mbridge bug workaround: tie on this bridge's own copy, not the class's dict
@@ -73,7 +84,8 @@ def local_spec_bridge(hf_dir: str, layout: MegatronLayout, dtype: torch.dtype = 
             super()._adjust_mapping_for_shared_weights()
 
     divisible_by = MAKE_VOCAB_SIZE_DIVISIBLE_BY * layout.tp
-    bridge = LocalSpecBridge(hf_config, dtype=dtype, make_vocab_size_divisible_by=divisible_by)
+    bridge = LocalSpecBridge(hf_config, dtype=dtype, parallel_states=parallel_states,
+                             make_vocab_size_divisible_by=divisible_by)
     # override 2: the vocab sizes mbridge's (TE-only) model provider would have set
     bridge.vocab_size = hf_config.vocab_size
     bridge.padded_vocab_size = padded_vocab_size(hf_config.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, layout.tp)
@@ -88,13 +100,15 @@ def fill_with_nan(chunks: list) -> None:
                 param.fill_(float("nan"))
 
 
-def compare_loads_and_exports(jobs: list[tuple[str, str, str, bool]], layouts: list[Mapping[str, Any]]) -> dict:
+def compare_loads_and_exports(jobs: list[tuple[str, str, str, bool]], layouts: list[Mapping[str, Any]],
+                              layer_spec: str = "local") -> dict:
     """Rank function. For every layout and every (hf_dir, ours_dir, theirs_dir, pp1_only) job
     (``pp1_only``: skipped at PP > 1): load the HF
     checkpoint into one set of chunks with megarl's loader and into another with mbridge's, and
     compare every local parameter bit for bit (padding rows included: both must write zeros);
     then export each set with its own exporter, megarl's to ``ours_dir/<layout>`` and mbridge's
-    to ``theirs_dir/<layout>``, for the caller to compare file by file.
+    to ``theirs_dir/<layout>``, for the caller to compare file by file. ``layer_spec="te"``: both
+    sets of chunks are in TE-spec structure (``te_stand_in.to_te_structure``).
 
     Returns this rank's {layout name: {hf_dir: {"params": n compared, "mismatches": [...]}}}.
     """
@@ -104,7 +118,7 @@ def compare_loads_and_exports(jobs: list[tuple[str, str, str, bool]], layouts: l
     from megatron.core import parallel_state
 
     from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
-    from parallel.checkpoint.hf_io import HFCheckpoint
+    from parallel.checkpoint.hf_io import HFCheckpoint, chunks_layer_spec
     from parallel.layout import initialize_megatron
     from parallel.models import build_model_chunks
 
@@ -122,10 +136,15 @@ def compare_loads_and_exports(jobs: list[tuple[str, str, str, bool]], layouts: l
             ckpt = HFCheckpoint(hf_dir)
             ours = build_model_chunks(ckpt.config, layout)
             theirs = build_model_chunks(ckpt.config, layout)
+            if layer_spec == "te":
+                from tests.parallel.checkpoint.te_stand_in import to_te_structure
+
+                to_te_structure(ours)
+                to_te_structure(theirs)
             fill_with_nan(ours)
             fill_with_nan(theirs)
             load_hf_into_chunks(ours, ckpt, layout)
-            bridge = local_spec_bridge(hf_dir, layout)
+            bridge = bridge_for(hf_dir, layout, layer_spec=layer_spec)
             with torch.no_grad():
                 bridge.load_weights(theirs, hf_dir)
             mismatches, count = [], 0
@@ -140,7 +159,7 @@ def compare_loads_and_exports(jobs: list[tuple[str, str, str, bool]], layouts: l
             export_hf_checkpoint(ours, ckpt.config, layout, f"{ours_dir}/{name}")
             bridge.save_weights(theirs, f"{theirs_dir}/{name}")
             dist.barrier()
-            per_model[hf_dir] = {"params": count, "mismatches": mismatches}
+            per_model[hf_dir] = {"params": count, "mismatches": mismatches, "layer_spec": chunks_layer_spec(ours)}
     parallel_state.destroy_model_parallel()
     return report
 

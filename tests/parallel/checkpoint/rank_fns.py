@@ -61,12 +61,12 @@ def checkpoint_logits(hf_dir, ckpt_dir, layout_kwargs, tokens):
     return logits
 
 
-def convert(direction, source, target, layout_kwargs, verify=True):
+def convert(direction, source, target, layout_kwargs, verify=True, layer_spec="local"):
     """One rank of ``megarl convert`` (``parallel.checkpoint.convert.conversion_on_rank``)."""
     from parallel.checkpoint.convert import conversion_on_rank
     from parallel.layout import MegatronLayout
 
-    return conversion_on_rank(direction, source, target, MegatronLayout(**layout_kwargs), verify)
+    return conversion_on_rank(direction, source, target, MegatronLayout(**layout_kwargs), verify, layer_spec)
 
 
 def logit_probe(ckpt_dir, hf_dir, layout_kwargs, **probe_kwargs):

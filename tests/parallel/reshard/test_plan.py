@@ -97,8 +97,8 @@ def test_plan_covers_destinations_and_moves_the_minimum(model, layout_name, roll
             assert torch.equal(tensor, reference[name]), f"device {device} {name}"
 
 
-def _megatron_sources(hf, layout, world, hf_tensors):
-    source = megatron_shards(hf, layout)
+def _megatron_sources(hf, layout, world, hf_tensors, layer_spec="local"):
+    source = megatron_shards(hf, layout, layer_spec=layer_spec)
     return {device: {(chunk_index, key): tensor for chunk_index, chunk in enumerate(source[position])
                      for key, tensor in materialise(chunk, hf_tensors).items()}
             for device, position in megatron_device_positions(layout, world).items()}
@@ -129,6 +129,41 @@ def test_separate_pool_rounds_assemble_every_engine_rank_once_on_trainer_devices
                 assert torch.equal(tensor, reference[name]), f"sglang rank {rank} {name}"
             assembled.append(rank)
     assert sorted(assembled) == list(range(rollout_tp))
+
+
+@pytest.mark.parametrize("rollout_tp", [1, 2])
+@pytest.mark.parametrize("layout_name", ["tp1", "tp2_pp2", "pp2_vpp2"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2-untied", "tiny-qwen3"])
+def test_te_named_actor_plans_the_same_copies_as_the_local_spec(model, layout_name, rollout_tp):
+    """An actor of the Transformer Engine layer spec (norms fused into linear_qkv / linear_fc1:
+    other parameter names) plans the weight sync exactly as one of the local spec: the same
+    copies, boxes, bytes and zero fills, only the source keys renamed (``model_specs.megatron_name``);
+    executed from TE-named sources it fills the same SGLang tensors."""
+    import dataclasses
+
+    from model_specs import megatron_name
+
+    hf = hf_config_dict(model)
+    layout, world = LAYOUTS[layout_name]
+    local = plan_megatron_to_sglang(hf, layout, world, rollout_tp)
+    te = plan_megatron_to_sglang(hf, layout, world, rollout_tp, layer_spec="te")
+    te.check()
+    assert te.copies == [dataclasses.replace(c, src_key=(c.src_key[0], megatron_name(c.src_key[1], "te")))
+                         for c in local.copies]
+    assert any(c.src_key[1].endswith(".linear_qkv.layer_norm_weight") for c in te.copies)
+    assert any(c.src_key[1].endswith(".linear_fc1.layer_norm_weight") for c in te.copies)
+    assert (te.zero_fills, te.destinations) == (local.zero_fills, local.destinations)
+    assert (te.network_bytes, te.local_bytes, te.minimum_network_bytes) == (
+        local.network_bytes, local.local_bytes, local.minimum_network_bytes)
+    hf_tensors = random_hf_tensors(hf)
+    filled = {}
+    for spec, plan in (("local", local), ("te", te)):
+        filled[spec] = {device: {k: torch.full(t.shape, float("nan")) for k, t in tensors.items()}
+                        for device, tensors in plan.destinations.items()}
+        execute_plan_in_memory(plan, _megatron_sources(hf, layout, world, hf_tensors, spec), filled[spec])
+    for device, tensors in filled["te"].items():
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor, filled["local"][device][name]), f"device {device} {name}"
 
 
 def test_plan_check_catches_a_missing_copy():
