@@ -3,10 +3,11 @@
 ``megarl plan <config> [overrides] [--gpu-memory-gib N]`` loads and validates the config, then
 states per role (actor, reference, critic, reward model, rollout) its pool, world, layout and data-parallel
 size, the core attention its Megatron model will build (``parallel.models.core_attention_kind``,
-the choice ``layer_spec`` makes), and the per-GPU memory (``parallel.memory``) of each role and of each pool over the phases
-of a step, against a per-GPU budget, with a verdict. The sbatch scripts in ``launch_scripts/``
-run it first (and only it, with ``--dry-run``), so a layout that cannot work or memory that
-cannot fit fails on a laptop rather than after the queue.
+the choice ``parallel.models.transformer_layer_spec`` makes), and the per-GPU memory
+(``parallel.memory``) of each role and of each pool over the phases of a step, against a
+per-GPU budget, with a verdict. The sbatch scripts in ``launch_scripts/`` run it first (and
+only it, with ``--dry-run``), so a layout that cannot work or memory that cannot fit fails on a
+laptop rather than after the queue.
 
 Phases of a pool (what is on a GPU at the same time):
 
@@ -135,10 +136,11 @@ def _micro_batching(cfg: RunConfig, role: str, dp: int, seq: int) -> tuple[int, 
 def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "none") -> LaunchPlan:
     """The launch plan of a validated config (``megarl.config.load_config``)."""
     from megarl.config.validate import model_hf_config
-    from parallel.models import core_attention_kind
+    from parallel.models import core_attention_kind, default_layer_spec
 
     hf = model_hf_config(cfg.model.path)
     dtype = cfg.model.dtype
+    layer_spec = default_layer_spec()  # what a build on this machine uses: TE where it imports
     budget = int(gpu_memory_gib * GiB)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     roles: list[RolePlan] = []
@@ -153,7 +155,7 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
         own_model = getattr(getattr(cfg, role), "model_path", None)
         model_hf = model_hf_config(own_model) if own_model else hf
         tokens, micro, text = _micro_batching(cfg, role, dp, seq)
-        attention = core_attention_kind(layout, cfg.actor.sequence_packing, cfg.shared_prompt_rows)
+        attention = core_attention_kind(layout, cfg.actor.sequence_packing, cfg.shared_prompt_rows, layer_spec)
         estimate = training_memory(model_hf, layout, dp=dp, dtype=dtype, tokens_per_micro_batch=tokens,
                                    micro_batches=micro, trainable=trainable,
                                    value_head=role in VALUE_ROLES, recompute=recompute, role=role,

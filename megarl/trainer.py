@@ -72,17 +72,20 @@ def config_fingerprint(cfg: RunConfig) -> dict:
             "critic": cfg.critic.enabled, "ref": cfg.ref.enabled}
 
 
-def weight_sync_rounds(cfg: RunConfig, hf_config: dict) -> list[tuple[dict[int, int] | None, Any]]:
+def weight_sync_rounds(cfg: RunConfig, hf_config: dict, layer_spec: str = "local"
+                       ) -> list[tuple[dict[int, int] | None, Any]]:
     """The checked resharding plans of one weight sync, in order: (device -> SGLang rank assembled
     there, plan) per round for engines on their own pool, or one (None, plan) when colocated (engine
-    e's rank r assembled on device e * rollout.tp + r)."""
+    e's rank r assembled on device e * rollout.tp + r). ``layer_spec``: how the actor's parameters
+    are named (what its workers built: "te" where Transformer Engine imports)."""
     from parallel.reshard.plan import plan_megatron_to_sglang, separate_pool_rounds
 
     world, tp = cfg.world_size_for("actor"), cfg.rollout.tp
     rounds = separate_pool_rounds(world, tp) if cfg.rollout.placement == "separate" else [None]
     element_size = torch.tensor([], dtype=_dtype(cfg.model.dtype)).element_size()
     plans = [(ranks, plan_megatron_to_sglang(hf_config, cfg.actor.layout.to_megatron(), world, tp,
-                                             engine_ranks=ranks, element_size=element_size)) for ranks in rounds]
+                                             engine_ranks=ranks, element_size=element_size, layer_spec=layer_spec))
+             for ranks in rounds]
     for _, plan in plans:
         plan.check()
     return plans
@@ -217,7 +220,7 @@ class Trainer:
             self.engines = [engine_cls.options(**_in_bundle(pg, e * r.tp)).remote(*engine_args)
                             for e in range(num_engines)]
         self.hf_config = HFCheckpoint(self.model_dir).config
-        self.sync_rounds = weight_sync_rounds(cfg, self.hf_config)
+        self.sync_rounds = weight_sync_rounds(cfg, self.hf_config, self.actor_layer_spec)
         self._call_engines("generate", [[1]], [{"max_new_tokens": 1}], None)  # the engines are up
         where = (f"on their own pool {r.pool!r}" if r.placement == "separate" else "colocated")
         pools = "; ".join(f"pool {pool!r}: {len(self.groups[pool])} rank(s) of {'+'.join(roles)} "
@@ -265,7 +268,8 @@ class Trainer:
             specs.append(ModelSpec("reward_model", rm.model_path, cfg.layout_for("reward_model").to_megatron(),
                                    MicroBatching(rm.micro_batch_size, packed=packed, shared_prompts=shared),
                                    dtype=cfg.model.dtype))
-        ray.get([w.setup.remote(spec, cfg.trainer.seed) for spec in specs for w in self.role_workers[spec.role]])
+        built = ray.get([w.setup.remote(spec, cfg.trainer.seed) for spec in specs for w in self.role_workers[spec.role]])
+        self.actor_layer_spec = built[0]["layer_spec"]  # specs[0] is the actor's
 
     def _minibatches_per_step(self, mini_batch_size: int | None) -> int:
         return max(1, self.cfg.data.batch_size // (mini_batch_size or self.cfg.data.batch_size))

@@ -35,7 +35,8 @@ token per layer, in elements:
   budget, / cp. What the core attention keeps besides depends on which one the run builds
   (``parallel.models.core_attention_kind``), per query token and per key of its sequence (S keys,
   S = max prompt + max response: exact for padded rows, a bound for packed and shared-prefix ones):
-  sdpa                  nothing (torch's flash / memory-efficient kernels on CUDA)
+  sdpa,                 nothing (torch's flash / memory-efficient kernels on CUDA; TE's fused
+  transformer_engine    attention, CP and packed rows included)
   context_parallel,     their boolean masks ([S/cp, S] causal on global positions; [branches, L,
   shared_prefix         P + L] per branch), which SDPA turns into an additive bias in the
                         activation dtype at every layer (memory-efficient kernel on CUDA; no
@@ -73,7 +74,8 @@ RUNTIME_RESERVE_BYTES = 3 * GiB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MEGATRON_VOCAB_DIVISIBLE_BY = 128  # parallel.layout.build_model_chunks' default
 SGLANG_VOCAB_DIVISIBLE_BY = 64  # sglang's VocabParallelEmbedding padding
-ATTENTION_KINDS = ("sdpa", "context_parallel", "shared_prefix")  # parallel.models.core_attention_kind's names
+# parallel.models.core_attention_kind's names
+ATTENTION_KINDS = ("sdpa", "transformer_engine", "context_parallel", "shared_prefix")
 
 
 def _ceil_to(n: int, multiple: int) -> int:
@@ -140,7 +142,7 @@ class ModelShape:
         q/k/v and its output (see module doc), for a ``parallel.models.core_attention_kind`` name."""
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention={attention!r}; use one of {ATTENTION_KINDS}")
-        return 0 if attention == "sdpa" else dtype_size
+        return 0 if attention in ("sdpa", "transformer_engine") else dtype_size
 
 
 def megatron_stage_params(shape: ModelShape, layout, stage: int, *, value_head: bool = False) -> int:

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
+from model_specs import check_layer_spec
 from parallel.cpu import compat as cpu_compat
 from parallel.layout import MegatronLayout
 from parallel.modules.value_head import ValueHead
@@ -51,45 +52,74 @@ def megatron_config(
 
 
 
-def core_attention_kind(layout, packed_sequences: bool = False, shared_prompts: bool = False) -> str:
-    """Which core attention ``layer_spec`` builds for these rows at ``layout`` (anything with a
-    ``cp``), by name: "shared_prefix" (``parallel.modules.shared_prefix``) for shared-prompt rows,
-    "context_parallel" (``parallel.modules.context_parallel``) at cp > 1 or for packed rows, else
-    "sdpa" (``parallel.modules.sdpa_attention``). The launch plan sizes activations by it
-    (``parallel.memory``: the first two keep a score matrix per layer, SDPA does not)."""
+def default_layer_spec() -> str:
+    """The layer spec (``model_specs.LAYER_SPECS``) a build uses unless told: Transformer Engine's
+    ("te": fused norm + linear, TE's attention with native CP and packed rows) when it imports,
+    else megatron's local spec ("local": pure torch, what CPUs run)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return "local"
+    return "te"
+
+
+def core_attention_kind(layout, packed_sequences: bool = False, shared_prompts: bool = False,
+                        layer_spec: str = "local") -> str:
+    """Which core attention ``transformer_layer_spec`` builds for these rows at ``layout``
+    (anything with a ``cp``), by name: "shared_prefix" (``parallel.modules.shared_prefix``) for
+    shared-prompt rows; in the TE spec otherwise "transformer_engine" (TEDotProductAttention);
+    in the local spec "context_parallel" (``parallel.modules.context_parallel``) at cp > 1 or for
+    packed rows, else "sdpa" (``parallel.modules.sdpa_attention``). The launch plan sizes
+    activations by it (``parallel.memory``)."""
     if shared_prompts and (layout.cp > 1 or packed_sequences):
         raise ValueError(f"shared-prompt rows need context parallelism 1 (cp={layout.cp}) and padded rows "
                          f"(packed_sequences={packed_sequences}); turn shared_prompts off")
     if shared_prompts:
         return "shared_prefix"
+    if check_layer_spec(layer_spec) == "te":
+        return "transformer_engine"
     return "context_parallel" if layout.cp > 1 or packed_sequences else "sdpa"
 
 
 
-def layer_spec(config, layout: MegatronLayout, packed_sequences: bool = False, shared_prompts: bool = False):
-    """The transformer-layer spec: megatron's local spec (pure torch; runs on CPU) with the core
-    attention chosen by ``core_attention_kind``: ``SDPAttention`` (torch's fused attention: flash /
-    memory-efficient kernels on CUDA, no [s, s] score matrix) for plain rows; the project's
-    context-parallel attention when ``layout.cp > 1`` or ``packed_sequences`` (megatron's local
-    DotProductAttention refuses both CP and packed_seq_params; only Transformer Engine's does
-    them); the shared-prefix rows' attention when ``shared_prompts``. The attention has no
-    parameters, so all specs hold the same weights and checkpoints.
+def transformer_layer_spec(config, layout: MegatronLayout, packed_sequences: bool = False, shared_prompts: bool = False,
+                           layer_spec: str = "local"):
+    """The transformer-layer spec with the core attention named by ``core_attention_kind``.
 
-    Branch point for GPUs: with Transformer Engine installed, megatron's
-    ``get_gpt_layer_with_transformer_engine_spec`` (TEDotProductAttention does CP natively, with
-    ring/all-gather/all-to-all ``cp_comm_type``, and packed sequences) is the right spec; it is
-    not used yet because TE-fused parameter names differ from the local spec's.
+    ``layer_spec="local"``: megatron's local spec (pure torch; runs on CPU) with ``SDPAttention``
+    (torch's fused attention: flash / memory-efficient kernels on CUDA, no [s, s] score matrix)
+    for plain rows, the project's context-parallel attention when ``layout.cp > 1`` or
+    ``packed_sequences`` (megatron's local DotProductAttention refuses both CP and
+    packed_seq_params), the shared-prefix rows' attention when ``shared_prompts``.
+    ``layer_spec="te"``: megatron's Transformer Engine spec (norms fused into linear_qkv /
+    linear_fc1, TEDotProductAttention doing CP and packed rows itself), the shared-prefix
+    attention in its core-attention slot for shared-prompt rows. The attention has no parameters,
+    so all local variants hold the same weights; the TE spec's names differ only in the fused
+    norms (``model_specs.megatron_name``), which conversion and resharding map.
     """
     import copy
-
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from parallel.modules.context_parallel import ContextParallelAttention
     from parallel.modules.sdpa_attention import SDPAttention
     from parallel.modules.shared_prefix import SharedPrefixAttention
 
+    kind = core_attention_kind(layout, packed_sequences, shared_prompts, layer_spec)
+    if layer_spec == "te":
+        try:
+            import transformer_engine  # noqa: F401  (megatron's TE spec fails with a NameError without it)
+        except ImportError as error:
+            raise ValueError(f"layer_spec='te' needs Transformer Engine, which does not import here ({error}); "
+                             "install transformer-engine on the GPU machines, or use layer_spec='local'") from error
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm))
+        if kind == "shared_prefix":
+            spec.submodules.self_attention.submodules.core_attention = SharedPrefixAttention
+        return spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
     attention = {"sdpa": SDPAttention, "context_parallel": ContextParallelAttention,
-                 "shared_prefix": SharedPrefixAttention}[core_attention_kind(layout, packed_sequences, shared_prompts)]
+                 "shared_prefix": SharedPrefixAttention}[kind]
     spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm"))
     spec.submodules.self_attention.submodules.core_attention = attention
     return spec
@@ -103,6 +133,7 @@ def build_model_chunks(
     make_vocab_size_divisible_by: int = 128,
     packed_sequences: bool = False,
     shared_prompts: bool = False,
+    layer_spec: str | None = None,
     **config_overrides: Any,
 ) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage) for an HF config.
@@ -110,7 +141,8 @@ def build_model_chunks(
     Weights are initialised on the CPU from the full tensors and then split (megatron's
     ``use_cpu_initialization``), so the same seed gives the same model at every layout.
     ``packed_sequences``: the chunks accept ``packed_seq_params`` (see parallel.modules.packing);
-    ``shared_prompts``: shared-prefix rows' segment ids as ``attention_mask`` (parallel.modules.shared_prefix).
+    ``shared_prompts``: shared-prefix rows' segment ids as ``attention_mask`` (parallel.modules.shared_prefix);
+    ``layer_spec``: "local" or "te" (``transformer_layer_spec``), None for ``default_layer_spec()``.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -121,7 +153,8 @@ def build_model_chunks(
     config = megatron_config(hf_config, layout, params_dtype, **config_overrides)
     model_kwargs = family.gpt_model_kwargs(hf_config)
     model_kwargs["vocab_size"] = padded_vocab_size(model_kwargs["vocab_size"], make_vocab_size_divisible_by, layout.tp)
-    spec = layer_spec(config, layout, packed_sequences, shared_prompts)
+    spec = transformer_layer_spec(config, layout, packed_sequences, shared_prompts,
+                                  default_layer_spec() if layer_spec is None else layer_spec)
     llama3_overrides = family.llama3_scaling_overrides(hf_config)
     chunks = []
     for vp_stage in range(layout.vpp or 1):

@@ -141,7 +141,7 @@ class MegatronWorker:
         from megarl.training import build_optimizer, wrap_ddp
         from model_specs.base import dtype_from_name
         from parallel.checkpoint.convert import load_hf_into_chunks
-        from parallel.checkpoint.hf_io import HFCheckpoint
+        from parallel.checkpoint.hf_io import HFCheckpoint, chunks_layer_spec
         from parallel.layout import initialize_megatron
         from parallel.models import build_model_chunks
 
@@ -181,6 +181,7 @@ class MegatronWorker:
             "dp_rank": parallel_state.get_data_parallel_rank(),
             "dp_size": parallel_state.get_data_parallel_world_size(),
             "output_rank": self._is_output_rank(),
+            "layer_spec": chunks_layer_spec(chunks),  # what the weight-sync plan names the sources by
         }
 
     @staticmethod

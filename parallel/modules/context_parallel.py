@@ -22,14 +22,14 @@ Memory: each rank holds K/V of the whole sequence and the [S/cp, S] causal mask 
 positions, which torch's SDPA (memory-efficient kernel on CUDA) turns into a bias shared by the
 heads; no [b, heads/tp, S/cp, S] score matrix is kept. Long contexts want ring attention (TE's
 "p2p" cp_comm_type: K/V blocks circulate and a rank never holds all of them). On GPUs with
-Transformer Engine installed, use TE's attention instead (see parallel.models.layer_spec).
+Transformer Engine installed, use TE's attention instead (see parallel.models.transformer_layer_spec).
 
 Packed sequences (megatron's "thd" format, ``PackedSeqParams`` with cu_seqlens; built by
 ``parallel.modules.packing``): several sequences share one row, each query attends causally within its own
 sequence only. Attention is computed per sequence (sum of L_i^2 scores, not T^2 for the row); with
 CP each sequence is zig-zag split on its own (TE's thd layout, which megatron's thd RoPE assumes),
 so every sequence's padded length must be a multiple of 2*CP. Megatron's local
-DotProductAttention refuses packed_seq_params, so ``layer_spec(..., packed_sequences=True)`` uses
+DotProductAttention refuses packed_seq_params, so ``transformer_layer_spec(..., packed_sequences=True)`` uses
 this module at CP=1 too.
 """
 

@@ -3,7 +3,7 @@
 megatron's local ``DotProductAttention`` materialises the [b, heads/tp, s, s] score matrix and
 keeps its softmax for the backward: memory quadratic in the sequence per layer. ``SDPAttention``
 has its constructor and forward signature (so it drops into the layer spec's ``core_attention``
-slot, ``parallel.models.layer_spec``'s default for plain rows) and computes the same function with
+slot, ``parallel.models.transformer_layer_spec``'s default for plain rows) and computes the same function with
 PyTorch's fused attention: on CUDA the flash (or cuDNN) kernel for causal attention, whose memory
 is linear in the sequence, or the memory-efficient one when a mask is given (it keeps the mask as
 a bias, not a score matrix per head); on CPU the math kernel.
@@ -13,7 +13,7 @@ the causal mask and any other gives none; a given mask (bool, True = masked out,
 [b, heads, sq, sk]) is used alone, as megatron does. One difference: a query whose keys are all
 masked gets a zero context here (SDPA) and the mean of all values there (megatron fills -10000);
 such a query is padding, and both give it no gradient. Context parallelism, packed sequences,
-attention biases, sliding windows and softmax variants are refused (layer_spec picks
+attention biases, sliding windows and softmax variants are refused (transformer_layer_spec picks
 ``parallel.modules.context_parallel.ContextParallelAttention`` for CP and packed rows).
 """
 
@@ -36,7 +36,7 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError(f"SDPAttention: context_parallel_size={config.context_parallel_size}; it attends whole "
-                             "sequences only. parallel.models.layer_spec builds ContextParallelAttention at cp > 1")
+                             "sequences only. parallel.models.transformer_layer_spec builds ContextParallelAttention at cp > 1")
         if config.softmax_type != "vanilla":
             raise NotImplementedError(f"SDPAttention: softmax_type={config.softmax_type!r} is not supported; "
                                       "use softmax_type='vanilla'")

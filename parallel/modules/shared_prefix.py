@@ -19,7 +19,7 @@ cost (P + n * L)^2, more than the separate rows once responses are long).
 Megatron's GPTModel takes ``position_ids`` but computes RoPE for positions ``0..s-1`` of every
 row; :func:`rotary_positions` makes one forward use the given per-token positions instead. The
 rows' segment ids go in as ``attention_mask``, which megatron hands to the core attention as is;
-``layer_spec(..., shared_prompts=True)`` puts :class:`SharedPrefixAttention` there. Works at any
+``transformer_layer_spec(..., shared_prompts=True)`` puts :class:`SharedPrefixAttention` there. Works at any
 TP/PP/VPP and with sequence parallelism (the core attention sees whole rows), not with context
 parallelism or packed (thd) rows.
 """
@@ -135,7 +135,7 @@ def branch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 class SharedPrefixAttention(ContextParallelAttention):
-    """Drop-in ``core_attention`` for megatron's local spec (``layer_spec(..., shared_prompts=True)``):
+    """Drop-in ``core_attention`` for megatron's local spec (``transformer_layer_spec(..., shared_prompts=True)``):
     given the rows' ``segments`` [rows, s] as ``attention_mask``, :func:`branch_attention`; without
     one, plain causal attention (ContextParallelAttention's, at CP 1)."""
 

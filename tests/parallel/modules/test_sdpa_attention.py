@@ -213,7 +213,7 @@ def test_refusals_name_the_setting():
 
 def test_layer_spec_attention_follows_core_attention_kind():
     from parallel.memory import ATTENTION_KINDS
-    from parallel.models import core_attention_kind, layer_spec
+    from parallel.models import core_attention_kind, default_layer_spec, transformer_layer_spec
     from parallel.modules.context_parallel import ContextParallelAttention
     from parallel.modules.sdpa_attention import SDPAttention
     from parallel.modules.shared_prefix import SharedPrefixAttention
@@ -228,8 +228,19 @@ def test_layer_spec_attention_follows_core_attention_kind():
     ]
     for layout, packed, shared, kind, cls in cases:
         assert core_attention_kind(layout, packed, shared) == kind
-        assert layer_spec(config, layout, packed, shared).submodules.self_attention.submodules.core_attention is cls
+        spec = transformer_layer_spec(config, layout, packed, shared)
+        assert spec.submodules.self_attention.submodules.core_attention is cls
+    # Transformer Engine's spec: its own attention (CP and packed rows included), shared-prefix rows ours
+    te_cases = [(MegatronLayout(cp=2), True, False, "transformer_engine"), (MegatronLayout(), False, True, "shared_prefix")]
+    for layout, packed, shared, kind in te_cases:
+        assert core_attention_kind(layout, packed, shared, layer_spec="te") == kind
     # the names the launch plan sizes memory by (parallel.memory) are exactly these
-    assert {kind for *_, kind, _ in cases} == set(ATTENTION_KINDS)
+    assert {kind for *_, kind, _ in cases} | {kind for *_, kind in te_cases} == set(ATTENTION_KINDS)
+    with pytest.raises(ValueError, match=r"layer_spec='tex' is not a layer spec megarl maps; use one of \['local', 'te'\]"):
+        core_attention_kind(MegatronLayout(), layer_spec="tex")
+    # no Transformer Engine on this machine: local by default, and asking for TE says what is missing
+    assert default_layer_spec() == "local"
+    with pytest.raises(ValueError, match="layer_spec='te' needs Transformer Engine, which does not import here"):
+        transformer_layer_spec(config, MegatronLayout(), layer_spec="te")
     with pytest.raises(ValueError, match="shared-prompt rows need context parallelism 1"):
         core_attention_kind(MegatronLayout(cp=2), shared_prompts=True)
