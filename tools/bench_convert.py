@@ -24,7 +24,7 @@ One run builds the preset as an HF safetensors checkpoint in a temporary directo
    into ``write_hf_checkpoint``; mbridge: ``save_weights``). Imports are excluded from both; the
    page cache is warmed before every load; the two alternate which goes first. The loaded weights
    are checked to be identical. mbridge runs on megatron's local spec through the overrides in
-   tests/mbridge_oracle.py.
+   tests/parallel/checkpoint/mbridge_oracle.py.
 
 Every rank runs with the same OMP_NUM_THREADS (cores // ranks, as ``run_on_ranks`` does).
 """
@@ -82,7 +82,7 @@ def in_memory_rank(hf_dir: str, out_base: str, layout_kwargs: dict, repeats: int
     from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.layout import MegatronLayout, initialize_megatron
     from parallel.models import build_model_chunks
-    from tests.mbridge_oracle import local_spec_bridge
+    from tests.parallel.checkpoint.mbridge_oracle import local_spec_bridge
 
     warnings.filterwarnings("ignore", message="No index file found")
     layout = MegatronLayout(**layout_kwargs)
