@@ -403,7 +403,6 @@ class MegatronWorker:
         import random
         from pathlib import Path
 
-        import numpy as np
         from megatron.core import tensor_parallel
 
         from parallel.checkpoint.atomic import atomic_file
@@ -416,7 +415,7 @@ class MegatronWorker:
             "layout": dataclasses.asdict(self.layout), "world_size": self.world_size,
             "optimizers": {role: m.optimizer.state_dict() for role, m in self.models.items() if m.optimizer},
             "optimizer_steps": {role: m.optimizer_steps for role, m in self.models.items()},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state(),
                     "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()},
         }
         with atomic_file(self._rank_state_file(directory)) as temporary:
@@ -434,7 +433,8 @@ class MegatronWorker:
 
         from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint
 
-        state = torch.load(self._rank_state_file(directory), weights_only=False)
+        # weights_only: a checkpoint is data, never code (tensors, numbers, strings and containers)
+        state = torch.load(self._rank_state_file(directory), weights_only=True)
         mine = dataclasses.asdict(self.layout)
         if state["layout"] != mine or state["world_size"] != self.world_size:
             raise ValueError(
@@ -448,7 +448,8 @@ class MegatronWorker:
             model.optimizer_steps = state["optimizer_steps"][role]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        name, keys, *rest = state["rng"]["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["megatron"])
 
     def _rank_state_file(self, directory: str):
@@ -470,6 +471,15 @@ class MegatronWorker:
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _numpy_rng_state() -> tuple:
+    """numpy's global RNG state with its key array as a torch tensor, so that the rank state file
+    loads with ``torch.load(weights_only=True)`` (which refuses numpy arrays)."""
+    import numpy as np
+
+    name, keys, *rest = np.random.get_state()
+    return (name, torch.from_numpy(keys.astype(np.int64)), *rest)
 
 
 def _reduce_weighted(collected: list[dict]) -> dict[str, float]:
