@@ -14,7 +14,7 @@ from pathlib import Path
 
 CONSOLE_KEYS = (("reward/mean", "reward"), ("response_length/mean", "len"), ("actor/entropy", "entropy"),
                 ("actor/kl_loss", "kl"), ("actor/clipfrac", "clip"), ("actor/grad_norm", "gnorm"),
-                ("critic/vf_loss", "vf_loss"), ("actor/rollout_logp_gap", "logp_gap"),
+                ("critic/vf_loss", "vf_loss"), ("actor/mismatch/abs_logp_diff", "logp_diff"),
                 ("time/step_s", "s/step"), ("throughput/tokens_per_s", "tok/s"))
 
 

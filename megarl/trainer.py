@@ -242,12 +242,13 @@ class Trainer:
         a = cfg.actor
         layout = a.layout.to_megatron()
         steps_per_rl_step = a.ppo_epochs * self._minibatches_per_step(a.mini_batch_size)
-        kl = a.kl_loss
+        kl, correction = a.kl_loss, cfg.algorithm.rollout_correction
         actor_loss = LossSettings(policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
                                   max_len=cfg.rollout.max_new_tokens, clip_ratio_low=a.clip_ratio_low,
                                   clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                                   entropy_coef=a.entropy_coef, kl_coef=kl.coef if kl.enabled else 0.0,
-                                  kl_estimator=kl.estimator, kl_clamp=kl.clamp)
+                                  kl_estimator=kl.estimator, kl_clamp=kl.clamp,
+                                  mismatch_bounds=None if _recomputes_old_logp(self) else (correction.low, correction.high))
         packed, shared = a.sequence_packing, cfg.shared_prompt_rows
         specs = [ModelSpec("actor", self.model_dir, layout,
                            MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch, packed, shared),
@@ -371,7 +372,14 @@ class Trainer:
     def advantages(self, batch: dict, scores: torch.Tensor, metrics: dict) -> None:
         """Token rewards (score on the last token, minus a KL penalty if configured) -> the
         configured estimator's advantages and returns, written into ``batch``."""
-        from megarl.algorithms import advantage_spec, apply_kl_penalty, scores_to_token_rewards
+        from megarl.algorithms import (
+            advantage_spec,
+            apply_kl_penalty,
+            masked_mean,
+            rollout_correction_weights,
+            rollout_mismatch_metrics,
+            scores_to_token_rewards,
+        )
         from megarl.config.validate import RUN_ADVANTAGE_INPUTS
         from megarl.workers.batch import response_mask
 
@@ -390,6 +398,17 @@ class Trainer:
                         norm_by_std=alg.norm_adv_by_std)
         assert tuple(supplied) == RUN_ADVANTAGE_INPUTS, (tuple(supplied), RUN_ADVANTAGE_INPUTS)
         adv, returns = advantage_spec(alg.advantage)(token_rewards=token_rewards, response_mask=mask, **supplied)
+        correction = alg.rollout_correction
+        if "old_logp" in batch and not correction.bypass:  # the pre-update policy vs the engine's
+            mismatch = rollout_mismatch_metrics(batch["old_logp"], batch["rollout_logp"], mask,
+                                                correction.low, correction.high)
+            metrics.update({f"actor/mismatch/{key}": float(value) for key, value in mismatch.items()})
+        if correction.method != "none":
+            weights = rollout_correction_weights(correction.method, batch["old_logp"], batch["rollout_logp"], mask,
+                                                 correction.low, correction.high)
+            adv = adv * weights
+            metrics["rollout_correction/weight_mean"] = float(masked_mean(weights, mask))
+            metrics["rollout_correction/zeroed_fraction"] = float(masked_mean((weights == 0).float(), mask))
         batch["advantages"], batch["returns"] = adv, returns
 
     def update(self, batch: dict) -> dict[str, float]:
@@ -621,13 +640,16 @@ class _Timer:
         return _Phase()
 
 
-def _needs_old_logp(t: Trainer) -> bool:
-    """Off-policy passes (several epochs or mini-batches), the KL reward penalty and PPO with a
-    critic use the pre-update log-probs; a single on-policy GRPO pass uses the update's own
-    forward (detached) instead of a second one."""
-    a = t.cfg.actor
-    return (a.ppo_epochs * t._minibatches_per_step(a.mini_batch_size) > 1 or t.cfg.algorithm.kl_penalty.enabled
-            or t.cfg.critic.enabled)
+def _recomputes_old_logp(t: Trainer) -> bool:
+    """Whether the actor recomputes the pre-update log-probs (a forward pass before the update):
+    off-policy passes (several epochs or mini-batches), the KL reward penalty, PPO with a critic
+    and a rollout correction use them; a single on-policy GRPO pass uses the update's own forward
+    (detached) instead of a second one; with ``rollout_correction.bypass`` the rollout's are used."""
+    a, alg = t.cfg.actor, t.cfg.algorithm
+    if alg.rollout_correction.bypass:
+        return False
+    return (a.ppo_epochs * t._minibatches_per_step(a.mini_batch_size) > 1 or alg.kl_penalty.enabled
+            or t.cfg.critic.enabled or alg.rollout_correction.method != "none")
 
 
 def _common_metrics(batch: dict, scores: torch.Tensor, reward_stats: dict, metrics: dict) -> None:
@@ -655,8 +677,10 @@ def rl_step(t: Trainer) -> dict[str, float]:
     wanted = {}  # batch key -> (role, output) of the forward-only passes
     if t.cfg.needs_reference:
         wanted["ref_logp"] = ("ref", "logp")
-    if _needs_old_logp(t):
+    if _recomputes_old_logp(t):
         wanted["old_logp"] = ("actor", "logp")
+    elif t.cfg.algorithm.rollout_correction.bypass:
+        batch["old_logp"] = batch["rollout_logp"]
     if t.cfg.critic.enabled:
         wanted["old_values"] = ("critic", "values")
     if wanted:

@@ -99,8 +99,20 @@ class PolicyLossSpec:
                        **{key: offered[key] for key in self.options if offered[key] is not None})
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrectionSpec:
+    """A registered rollout correction: ``fn(*, log_ratio, response_mask, low, high) -> weights``."""
+
+    name: str
+    fn: Callable
+
+    def __call__(self, *, log_ratio: Any, response_mask: Any, low: float, high: float) -> Any:
+        return self.fn(log_ratio=log_ratio, response_mask=response_mask, low=low, high=high)
+
+
 _ADVANTAGES: dict[str, AdvantageSpec] = {}
 _POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
+_ROLLOUT_CORRECTIONS: dict[str, RolloutCorrectionSpec] = {}
 
 
 def _check_declared(kind: str, name: str, fn: Callable, declared: tuple[str, ...], known: tuple[str, ...]) -> None:
@@ -160,6 +172,18 @@ def register_policy_loss(name: str, *, options: tuple[str, ...] = (),
     return _register(_POLICY_LOSSES, "policy loss", name, override, make)
 
 
+def register_rollout_correction(name: str, *, override: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: register a rollout correction under ``name``: ``fn(*, log_ratio, response_mask,
+    low, high)`` -> per-token weights >= 0 (see ``megarl.algorithms.rollout_correction``)."""
+
+    def make(fn: Callable) -> RolloutCorrectionSpec:
+        _check_declared("rollout correction", name, fn, ("log_ratio", "response_mask", "low", "high"),
+                        ("log_ratio", "response_mask", "low", "high"))
+        return RolloutCorrectionSpec(name, fn)
+
+    return _register(_ROLLOUT_CORRECTIONS, "rollout correction", name, override, make)
+
+
 def _get(table: dict, kind: str, name: str):
     try:
         return table[name]
@@ -179,6 +203,11 @@ def policy_loss_spec(name: str) -> PolicyLossSpec:
     return _get(_POLICY_LOSSES, "policy loss", name)
 
 
+def rollout_correction_spec(name: str) -> RolloutCorrectionSpec:
+    """The rollout correction registered as ``name``; ValueError listing the names otherwise."""
+    return _get(_ROLLOUT_CORRECTIONS, "rollout correction", name)
+
+
 def get_advantage(name: str) -> Callable:
     """The function of the advantage estimator ``name`` (to call with explicit arguments)."""
     return advantage_spec(name).fn
@@ -195,3 +224,7 @@ def list_advantages() -> list[str]:
 
 def list_policy_losses() -> list[str]:
     return sorted(_POLICY_LOSSES)
+
+
+def list_rollout_corrections() -> list[str]:
+    return sorted(_ROLLOUT_CORRECTIONS)

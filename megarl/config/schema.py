@@ -267,6 +267,20 @@ class KLPenaltyConfig(_Section):
 
 
 @dataclass
+class RolloutCorrectionConfig(_Section):
+    """Importance weights for the gap between the policy that sampled (the engine's log-probs) and
+    the one the update starts from (the actor's recomputed log-probs): ``megarl.algorithms.
+    rollout_correction``. The gap's metrics (``actor/mismatch/*``) are logged whatever the method."""
+
+    method: str = "none"  # none, or a registered correction: tis, seq_tis, mis, seq_mis, icepop
+    low: Float = bounded(0.5, gt=0, lt=1, fix="use e.g. 0.5")  # icepop's lower bound; the metrics' too
+    high: Float = bounded(2.0, gt=1, fix="use e.g. 2.0")  # the truncation / mask bound
+    # true: the rollout's log-probs are the old policy (no recomputation by the actor; PPO's
+    # ratio then includes the train/rollout mismatch itself); a method has nothing to correct then
+    bypass: Bool = False
+
+
+@dataclass
 class DynamicSamplingConfig(_Section):
     """DAPO: drop prompts whose samples all score the same; regenerate until the batch is full."""
 
@@ -294,6 +308,7 @@ class AlgorithmConfig(_Section):
     lam: Float = bounded(1.0, ge=0, le=1, fix="use 0.95 (PPO) or 1.0")
     norm_adv_by_std: Bool = True  # GRPO's std division (Dr.GRPO turns it off)
     kl_penalty: KLPenaltyConfig = field(default_factory=KLPenaltyConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong_penalty: OverlongPenaltyConfig = field(default_factory=OverlongPenaltyConfig)
 

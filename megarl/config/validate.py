@@ -124,7 +124,7 @@ def _bound_checks(cfg: RunConfig, p: _Problems) -> None:
 
 
 def _registry_checks(cfg: RunConfig, p: _Problems) -> None:
-    from megarl.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES, list_advantages, list_policy_losses
+    from megarl.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES, list_advantages, list_policy_losses, list_rollout_corrections
 
     def one_of(key: str, value: str, valid: list[str] | tuple[str, ...], what: str) -> bool:
         import difflib
@@ -143,6 +143,12 @@ def _registry_checks(cfg: RunConfig, p: _Problems) -> None:
         one_of("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES, "loss aggregation mode")
     one_of("actor.kl_loss.estimator", cfg.actor.kl_loss.estimator, KL_ESTIMATORS, "KL estimator")
     one_of("algorithm.kl_penalty.estimator", cfg.algorithm.kl_penalty.estimator, KL_ESTIMATORS, "KL estimator")
+    correction = cfg.algorithm.rollout_correction
+    one_of("algorithm.rollout_correction.method", correction.method, ["none", *list_rollout_corrections()],
+           "rollout correction")
+    if correction.bypass and correction.method != "none":
+        p.add("algorithm.rollout_correction.method", correction.method, "with bypass=true the rollout's log-probs "
+              "are the old policy, so there is no gap left to correct", "set method=none, or bypass=false")
 
     from megarl.rewards import BACKENDS, load_reward_function, registered_rewards
 

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from megarl.algorithms import agg_loss, kl_loss, masked_mean, policy_loss_spec, value_loss
+from megarl.algorithms import agg_loss, kl_loss, policy_loss_spec, rollout_mismatch_metrics, value_loss
 
 
 @dataclasses.dataclass
@@ -30,6 +30,9 @@ class LossSettings:
     kl_estimator: str = "k3"
     kl_clamp: float | None = 10.0
     value_clip: float | None = None  # critic
+    # (low, high): log the train/rollout mismatch (``actor/mismatch/*``) from this loss's own
+    # forward, when the trainer has no recomputed pre-update log-probs to measure it on
+    mismatch_bounds: tuple[float, float] | None = None
 
 
 def loss_share(mode: str, mask: torch.Tensor, counts: dict[str, float]) -> float:
@@ -61,9 +64,9 @@ def actor_loss(settings: LossSettings, mb: dict, outputs: dict) -> tuple[torch.T
                                settings.max_len, clamp=settings.kl_clamp)
         loss = loss + settings.kl_coef * kl
         stats.update({key: value.detach() for key, value in kl_stats.items()})
-    if "rollout_logp" in mb:  # how far the trainer's log-probs are from the engine's
-        gap = torch.exp((logp.detach() - mb["rollout_logp"]).abs())
-        stats["rollout_logp_gap"] = masked_mean(gap, mask)
+    if settings.mismatch_bounds is not None and "rollout_logp" in mb:  # the trainer's log-probs vs the engine's
+        mismatch = rollout_mismatch_metrics(logp, mb["rollout_logp"], mask, *settings.mismatch_bounds)
+        stats.update({f"mismatch/{key}": value for key, value in mismatch.items()})
     stats["loss"] = loss.detach()
     return loss, stats
 

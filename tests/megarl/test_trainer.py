@@ -95,8 +95,8 @@ def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
     assert last - first > max(0.08, 2 * spread), (grpo, control)
     assert max(control) < last, (grpo, control)
     # Step 0: the engine's log-probs of its own samples equal the actor's recomputation.
-    gap = grpo_steps[0]["actor/rollout_logp_gap"]
-    assert gap < 1.01  # mean exp|diff|: 1.0 is exact agreement
+    mismatch = {key: grpo_steps[0][f"actor/mismatch/{key}"] for key in ("abs_logp_diff", "kl_k3", "outside_bounds")}
+    assert mismatch["abs_logp_diff"] < 0.01 and mismatch["kl_k3"] < 1e-4 and mismatch["outside_bounds"] == 0, mismatch
     assert (tmp_path / "grpo" / "hf_final" / "model.safetensors").is_file()
     # Padded rows: the first step (same initial weights, seed and so rollouts; the learning rate
     # acts only after it) has the shared-prompt run's losses, entropy, KL and grad norm. Later steps
@@ -200,7 +200,8 @@ def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_
                 "critic.micro_batch_size": 32, "actor.sequence_packing": "true",  # packed rows, all 3 models
                 "algorithm.advantage": "gae", "algorithm.lam": 0.95,
                 "algorithm.kl_penalty.enabled": "true", "ref.enabled": "true", "critic.enabled": "true",
-                "critic.optim.lr": 5e-4, "reward.functions": f"{{synthetic_arith: {reward_file}:shifted}}"}
+                "critic.optim.lr": 5e-4, "reward.functions": f"{{synthetic_arith: {reward_file}:shifted}}",
+                "algorithm.rollout_correction.method": "tis"}
     proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **settings) + ["--no-export"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -227,6 +228,11 @@ def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_
     recent_reward = sum(m["reward/mean"] for m in steps[-3:]) / 3
     assert abs(steps[-1]["critic/vpred_mean"] - recent_reward) < 0.2, (steps[-1], recent_reward)
     assert all(m["actor/update_ok"] == 1.0 for m in steps)
+    # Truncated IS on the recomputed pre-update log-probs: the engine samples what the trainer
+    # computes (same weights at each step's start), so the weights stay ~1 and the gap small.
+    for m in steps:
+        assert abs(m["rollout_correction/weight_mean"] - 1) < 0.02 and m["rollout_correction/zeroed_fraction"] == 0, m
+        assert m["actor/mismatch/abs_logp_diff"] < 0.02 and m["actor/mismatch/outside_bounds"] < 0.01, m
 
 
 def test_reward_model_on_its_own_pool_scores_like_hf(prompts, tmp_path):
@@ -242,7 +248,8 @@ def test_reward_model_on_its_own_pool_scores_like_hf(prompts, tmp_path):
     settings = {"trainer.total_steps": 2, "trainer.save_every": 0, "data.batch_size": 4, "rollout.n": 4,
                 "cluster.cpu_ranks_per_node": 4, "cluster.pools": "{train: 2, scoring: 2}", "actor.pool": "train",
                 "reward_model.enabled": "true", "reward_model.model_path": rm_dir, "reward_model.pool": "scoring",
-                "reward_model.layout.pp": 2, "reward_model.micro_batch_size": 2, "trainer.save_rollouts_every": 1}
+                "reward_model.layout.pp": 2, "reward_model.micro_batch_size": 2, "trainer.save_rollouts_every": 1,
+                "algorithm.rollout_correction.bypass": "true"}  # the engine's log-probs as PPO's old policy
     code, output = _run(_overrides(prompts, out, **settings) + ["--no-export"])
     assert code == 0, output[-3000:]
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
@@ -255,6 +262,8 @@ def test_reward_model_on_its_own_pool_scores_like_hf(prompts, tmp_path):
         assert [s["score"] for s in samples] == pytest.approx(want, abs=2e-5), step
         assert metrics[step]["reward/mean"] == pytest.approx(sum(want) / len(want), abs=1e-5)
     assert len(set(round(w, 6) for w in want)) > 1  # the scores are not all the same
+    # bypass: no recomputed old log-probs; the mismatch is measured on the update's own forward
+    assert metrics[1]["actor/mismatch/abs_logp_diff"] < 0.01 and metrics[1]["actor/mismatch/kl_k3"] < 1e-4
 
 
 def test_broken_config_and_missing_data_fail_before_ray(prompts, tmp_path):

@@ -336,3 +336,13 @@ def test_estimators_needing_inputs_a_run_does_not_compute_are_refused(problems, 
 def test_fp16_training_is_refused_with_the_fix(problems):
     line = _one(problems("model.dtype=float16"))
     assert line.startswith('model.dtype="float16": the actor would train in fp16') and "use bfloat16" in line
+
+
+def test_rollout_correction_names_and_bypass(problems):
+    line = _one(problems("algorithm.rollout_correction.method=tiss"))
+    assert line.startswith('algorithm.rollout_correction.method="tiss": unknown rollout correction; '
+                           "did you mean 'tis'? valid: none, icepop, mis")
+    line = _one(problems("algorithm.rollout_correction.method=tis", "algorithm.rollout_correction.bypass=true"))
+    assert line.startswith('algorithm.rollout_correction.method="tis": with bypass=true the rollout\'s log-probs')
+    line = _one(problems("algorithm.rollout_correction.high=0.5"))
+    assert line.startswith("algorithm.rollout_correction.high=0.5")
