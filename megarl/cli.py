@@ -91,19 +91,22 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    """Convert HF safetensors <-> Megatron distributed checkpoints at any TP/PP/VPP layout."""
+    """Convert HF safetensors <-> Megatron distributed checkpoints at any TP/PP/VPP (and, for MoE
+    models, EP/ETP) layout."""
+    import dataclasses
+    import math
     import os
     from pathlib import Path
 
-    from model_specs import check_layer_spec
+    from model_specs import check_layer_spec, num_experts
     from parallel.checkpoint.dist_ckpt import read_checkpoint_metadata
     from parallel.checkpoint.errors import CheckpointError
     from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.layout import LayoutError, MegatronLayout
 
-    layout = MegatronLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    layout = MegatronLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     under_launcher = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher else layout.tp * layout.pp
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher else math.lcm(layout.tp, layout.ep * layout.etp) * layout.pp
     layer_spec = args.layer_spec or "local"
     try:  # everything checkable is checked here, before any rank starts
         check_layer_spec(layer_spec, "--layer-spec")
@@ -116,6 +119,8 @@ def _convert(args: argparse.Namespace) -> int:
             hf_config = HFCheckpoint(args.input).config
         else:
             hf_config = read_checkpoint_metadata(args.input)["hf_config"]
+        if layout.tp > 1 and num_experts(hf_config):  # megatron's MoE runs TP only with SP; no weight depends on it
+            layout = dataclasses.replace(layout, sequence_parallel=True)
         layout.validate(world, hf_config)
     except (CheckpointError, LayoutError, ValueError) as error:
         print(f"megarl convert: {error}", file=sys.stderr)
@@ -312,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train, trailing_positionals="overrides")
 
     convert = sub.add_parser("convert", help=_convert.__doc__, description=_convert.__doc__ + (
-        " Runs tp*pp local ranks, or one rank per process under torchrun/srun (WORLD_SIZE/RANK set). "
+        " Runs lcm(tp, ep*etp)*pp local ranks, or one rank per process under torchrun/srun (WORLD_SIZE/RANK set). "
         "Verification (on by default): every tensor checked against the source, checksums recorded, "
         "the written checkpoint read back, and a logit probe against HF transformers over 256 positions "
         "(or the model's context if shorter), "
@@ -324,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--tp", type=int, default=1, help="layout used for the conversion ranks")
     convert.add_argument("--pp", type=int, default=1)
     convert.add_argument("--vpp", type=int, default=None)
+    convert.add_argument("--ep", type=int, default=1, help="MoE models: expert parallelism (whole experts per rank)")
+    convert.add_argument("--etp", type=int, default=1, help="MoE models: expert tensor parallelism (each expert split)")
     convert.add_argument("--no-verify", action="store_true", help="skip read-back and logit probe")
     convert.add_argument("--layer-spec", default=None, metavar="{local,te}",
                          help="hf-to-megatron: write the checkpoint as a model of megatron's local spec (default) "

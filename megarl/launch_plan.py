@@ -140,7 +140,7 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
 
     hf = model_hf_config(cfg.model.path)
     dtype = cfg.model.dtype
-    layer_spec = default_layer_spec()  # what a build on this machine uses: TE where it imports
+    layer_spec = default_layer_spec(hf)  # what a build on this machine uses: TE where it imports
     budget = int(gpu_memory_gib * GiB)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     roles: list[RolePlan] = []

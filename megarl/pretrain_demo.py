@@ -7,6 +7,8 @@ import dataclasses
 from megarl.data.synthetic import arithmetic_sequence_batches
 from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
 from model_specs.presets import hf_config_dict
+from parallel.checkpoint.convert import load_hf_into_chunks
+from parallel.checkpoint.hf_io import HFCheckpoint
 from parallel.layout import MegatronLayout, initialize_megatron
 from parallel.models import build_model_chunks, init_params_layout_independent
 
@@ -24,17 +26,24 @@ class DemoRun:
     seed: int = 1234
     loss_mask_prefix: int = 0  # the first N tokens of every sequence carry no loss (like a prompt)
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-2))
+    # Start from this HF checkpoint's weights (its config, not the preset's) instead of the
+    # layout-independent random init: the same model at every layout for MoE models too.
+    hf_dir: str | None = None
 
 
 def train_on_rank(run: DemoRun) -> list[dict]:
     """Per-rank body (torch.distributed already initialised): returns per-step metrics."""
     from megatron.core import parallel_state
 
-    hf_config = hf_config_dict(run.preset)
+    ckpt = HFCheckpoint(run.hf_dir) if run.hf_dir else None
+    hf_config = ckpt.config if ckpt else hf_config_dict(run.preset)
     run.layout.validate_sequence_length(run.seq_length, field="DemoRun.seq_length")
     initialize_megatron(run.layout, seed=run.seed)
     chunks = build_model_chunks(hf_config, run.layout)
-    init_params_layout_independent(chunks, run.seed, hf_config["vocab_size"])
+    if ckpt:
+        load_hf_into_chunks(chunks, ckpt, run.layout)
+    else:
+        init_params_layout_independent(chunks, run.seed, hf_config["vocab_size"])
     chunks = wrap_ddp(chunks, run.layout)
     optimizer = build_optimizer(chunks, run.optim, run.layout)
     dp_rank = parallel_state.get_data_parallel_rank()

@@ -64,7 +64,9 @@ WEIGHT_KINDS = {
 class WeightRule:
     """One Megatron parameter (name inside a GPTModel chunk) and the HF tensors it is made of.
 
-    ``{layer}`` in the names stands for the global (0-based) decoder layer index.
+    ``{layer}`` in the names stands for the global (0-based) decoder layer index; ``{expert}`` for
+    the expert index of an MoE layer (in ``hf``: the global expert; in ``megatron``: the expert's
+    index among the rank's local experts).
     """
 
     megatron: str
@@ -79,6 +81,10 @@ class WeightRule:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
+
+    @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.megatron
 
 
 # The Megatron transformer-layer specs whose parameter names megarl maps. "local": megatron's
@@ -123,10 +129,33 @@ def layer_spec_of(parameter_names: Iterable[str]) -> str:
     return "te" if any(name.endswith(fused) for name in parameter_names) else "local"
 
 
-def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool, layer_spec: str = "local"
-                     ) -> list[WeightRule]:
-    """Megatron GPT parameters <-> HF Llama-style names (Llama, Qwen2, Qwen3, Mistral), the
-    Megatron names spelled as ``layer_spec`` (``LAYER_SPECS``) spells them."""
+@dataclasses.dataclass(frozen=True)
+class MoeWeights:
+    """Where an MoE family's HF checkpoint keeps layer ``{layer}``'s router and experts (every
+    decoder layer an MoE layer: no shared expert, no dense layers in between)."""
+
+    router: str  # [num_experts, hidden]
+    expert: str  # prefix of expert ``{expert}``'s weights
+    gate: str  # the expert's gated-MLP weights under ``expert``, as gate_proj / up_proj / down_proj
+    up: str
+    down: str
+    ffn_field: str  # the HF field with the expert's intermediate size
+
+
+def num_experts(hf: Mapping[str, Any]) -> int | None:
+    """The routed experts per layer of an HF MoE config (transformers reads ``num_experts`` and
+    ``num_local_experts`` as one field), None for a dense model."""
+    return hf.get("num_experts") or hf.get("num_local_experts")
+
+
+def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool, layer_spec: str = "local",
+                     moe: MoeWeights | None = None) -> list[WeightRule]:
+    """Megatron GPT parameters <-> HF Llama-style names (Llama, Qwen2, Qwen3, Mistral; with ``moe``
+    the MoE layers of Qwen3-MoE, Mixtral: megatron's router and SequentialMLP experts in place of
+    the dense MLP), the Megatron names spelled as ``layer_spec`` (``LAYER_SPECS``) spells them."""
+    if moe is not None and check_layer_spec(layer_spec) != "local":
+        raise ValueError(f"layer_spec={layer_spec!r} is not mapped for MoE models yet (megatron's TE MoE layer keeps "
+                         "pre_mlp_layernorm unfused, under another checkpoint key); use layer_spec='local'")
     layer, attn, mlp = "decoder.layers.{layer}", "model.layers.{layer}.self_attn", "model.layers.{layer}.mlp"
     rules = [
         WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab",
@@ -141,11 +170,24 @@ def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool, layer
         WeightRule(f"{layer}.pre_mlp_layernorm.weight",
                    ("model.layers.{layer}.post_attention_layernorm.weight",), "replicated",
                    "model.layers.{layer}.post_attention_layernorm.weight"),
-        WeightRule(f"{layer}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), "gate_up",
-                   f"{mlp}.gate_up_proj.weight"),
-        WeightRule(f"{layer}.mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), "row", f"{mlp}.down_proj.weight"),
         WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", "model.norm.weight"),
     ]
+    if moe is None:
+        rules += [
+            WeightRule(f"{layer}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
+                       "gate_up", f"{mlp}.gate_up_proj.weight"),
+            WeightRule(f"{layer}.mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), "row", f"{mlp}.down_proj.weight"),
+        ]
+    else:
+        # Experts split over expert-parallel ranks (whole experts) and, inside one, over expert-TP
+        # ranks as a dense MLP over TP. SGLang names: left for the expert resharding (SGLang fuses
+        # the experts of a layer into one tensor, which per-expert rules cannot name).
+        expert = f"{layer}.mlp.experts.local_experts.{{expert}}"
+        rules += [
+            WeightRule(f"{layer}.mlp.router.weight", (moe.router,), "replicated"),
+            WeightRule(f"{expert}.linear_fc1.weight", (f"{moe.expert}.{moe.gate}", f"{moe.expert}.{moe.up}"), "gate_up"),
+            WeightRule(f"{expert}.linear_fc2.weight", (f"{moe.expert}.{moe.down}",), "row"),
+        ]
     if qkv_bias:
         rules.append(WeightRule(f"{layer}.self_attention.linear_qkv.bias",
                                 (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), "qkv",
@@ -176,6 +218,10 @@ class ModelFamily:
     extra_fields: frozenset = frozenset()
     # Extra validation of an HF config (raise UnsupportedModelError with the field and the fix).
     check: Callable[[Mapping[str, Any]], None] = lambda cfg: None
+    moe: MoeWeights | None = None  # an MoE family's router and expert weights (None: dense)
+    # An MoE family's HF norm_topk_prob semantics: renormalise the top-k routing probabilities to
+    # sum to 1 (Mixtral always; Qwen3-MoE as its config says), read from the config by this.
+    normalized_topk: Callable[[Mapping[str, Any]], bool] = lambda cfg: True
 
     def validate(self, hf: Mapping[str, Any]) -> None:
         """Refuse configs this family cannot represent exactly."""
@@ -196,14 +242,39 @@ class ModelFamily:
         if hf.get("mlp_bias", False):
             raise UnsupportedModelError(f"mlp_bias=True is not supported for {self.name}; only False is")
         rope_parameters(hf, self.name)  # refuses RoPE variants megarl cannot represent
-        known = IGNORED_HF_FIELDS | COMMON_FIELDS | self.extra_fields
-        unknown = sorted(k for k in hf if k not in known)
+        refused = sorted(k for k in hf if k in REFUSED_MOE_FIELDS and hf[k] not in MOE_FEATURE_OFF)
+        if refused:
+            raise UnsupportedModelError(
+                f"{refused[0]}={hf[refused[0]]!r} is not supported for {self.name}: megarl does not build "
+                f"{REFUSED_MOE_FIELDS[refused[0]]} yet; only models without it convert")
+        mapped = COMMON_FIELDS | self.extra_fields | (MOE_FIELDS if self.moe else frozenset())
+        unknown = sorted(k for k in hf if k not in IGNORED_HF_FIELDS | mapped)
         if unknown:
             raise UnsupportedModelError(
                 f"{self.name} config has fields megarl does not know how to map: {unknown}; "
-                f"supported fields: {sorted(COMMON_FIELDS | self.extra_fields)}"
+                f"supported fields: {sorted(mapped)}"
             )
+        if self.moe:
+            self._check_moe(hf)
         self.check(hf)
+
+    def _check_moe(self, hf: Mapping[str, Any]) -> None:
+        """Refuse MoE settings megatron's MoE layer (as megarl builds it) does not compute."""
+        experts, topk = num_experts(hf), hf.get("num_experts_per_tok")
+        if not (isinstance(experts, int) and experts >= 1 and isinstance(topk, int) and 1 <= topk <= experts):
+            raise UnsupportedModelError(f"num_experts={experts!r}, num_experts_per_tok={topk!r} ({self.name}): need "
+                                        "1 <= num_experts_per_tok <= num_experts")
+        if not isinstance(hf.get(self.moe.ffn_field), int):
+            raise UnsupportedModelError(f"{self.moe.ffn_field}={hf.get(self.moe.ffn_field)!r} ({self.name}): the "
+                                        "experts' intermediate size is required")
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise UnsupportedModelError(
+                f"decoder_sparse_step={hf.get('decoder_sparse_step', 1)!r}, mlp_only_layers="
+                f"{hf.get('mlp_only_layers')!r} ({self.name}): only every layer MoE is supported "
+                "(decoder_sparse_step=1, mlp_only_layers=[])")
+        if hf.get("router_jitter_noise"):
+            raise UnsupportedModelError(f"router_jitter_noise={hf['router_jitter_noise']!r} ({self.name}): megatron's "
+                                        "router has no multiplicative jitter; only 0 is supported")
 
     def transformer_config_kwargs(self, hf: Mapping[str, Any]) -> dict:
         """TransformerConfig keyword arguments (model part only) for this HF config."""
@@ -211,6 +282,7 @@ class ModelFamily:
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         return dict(
+            **self._moe_config_kwargs(hf),
             num_layers=hf["num_hidden_layers"],
             hidden_size=hf["hidden_size"],
             ffn_hidden_size=hf["intermediate_size"],
@@ -236,22 +308,49 @@ class ModelFamily:
             gradient_accumulation_fusion=False,
         )
 
+    def _moe_config_kwargs(self, hf: Mapping[str, Any]) -> dict:
+        """TransformerConfig MoE fields: megatron's router computing HF's routing exactly (softmax
+        over the experts, top-k; HF's renormalised top-k probabilities are the softmax of the top-k
+        logits, megatron's moe_router_pre_softmax=False; unnormalised ones its pre-softmax top-k),
+        no token dropping (capacity None), the allgather dispatcher (docs/cpu.md: the one that runs
+        on gloo). The load-balancing loss is megatron's switch loss per layer with HF's coefficient
+        when the config trains with one (output_router_logits): not HF's value (HF pools the router
+        statistics of all layers into one loss, and megatron's is 1/top-k of HF's for one layer).
+        {} for a dense family."""
+        if self.moe is None:
+            return {}
+        aux = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
+        return dict(
+            num_moe_experts=num_experts(hf),
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf[self.moe.ffn_field],
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not self.normalized_topk(hf),
+            moe_expert_capacity_factor=None,
+            moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="aux_loss" if aux else "none",
+            moe_aux_loss_coeff=aux,
+            moe_grouped_gemm=False,
+        )
+
     def weight_rules(self, hf: Mapping[str, Any], layer_spec: str = "local") -> list[WeightRule]:
         """Every Megatron parameter of this family (named as ``layer_spec`` names it) and the HF
         tensors it is made of."""
         self.validate(hf)
-        return gpt_weight_rules(hf, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, layer_spec=layer_spec)
+        return gpt_weight_rules(hf, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, layer_spec=layer_spec, moe=self.moe)
 
     def hf_tensor_names(self, hf: Mapping[str, Any]) -> list[str]:
         """Every tensor an HF checkpoint of this config holds (tied models: no lm_head)."""
         names = []
         for rule in self.weight_rules(hf):
             layers = range(hf["num_hidden_layers"]) if rule.per_layer else [None]
+            experts = range(num_experts(hf)) if rule.per_expert else [None]
             for layer in layers:
-                for name in rule.hf:
-                    name = name.format(layer=layer)
-                    if name not in names:
-                        names.append(name)
+                for expert in experts:
+                    for name in rule.hf:
+                        name = name.format(layer=layer, expert=expert)
+                        if name not in names:
+                            names.append(name)
         return names
 
     def gpt_model_kwargs(self, hf: Mapping[str, Any]) -> dict:
@@ -468,6 +567,30 @@ COMMON_FIELDS = frozenset(
         "attention_bias",
     }
 )
+
+
+# HF fields an MoE family maps (besides its MoeWeights.ffn_field and family-specific ones).
+MOE_FIELDS = frozenset(
+    {
+        "num_experts", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
+        "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise",
+    }
+)
+# MoE features of other HF families that megarl does not build yet: set to anything but "off" in a
+# config, each is refused by name (field -> what it is).
+REFUSED_MOE_FIELDS = {
+    "shared_expert_intermediate_size": "shared experts",
+    "n_shared_experts": "shared experts",
+    "kv_lora_rank": "multi-latent attention (MLA)",
+    "q_lora_rank": "multi-latent attention (MLA)",
+    "scoring_func": "sigmoid routers",
+    "topk_method": "grouped/biased top-k routing",
+    "n_group": "grouped top-k routing",
+    "routed_scaling_factor": "scaled routing weights",
+}
+# Values of those fields that mean the feature is off (softmax scoring, plain top-k): not refused
+# by name (the field is still one megarl does not map, so validate refuses it as unknown).
+MOE_FEATURE_OFF = (None, 0, False, [], {}, "softmax", "greedy")
 
 
 def dtype_from_name(name: str) -> torch.dtype:

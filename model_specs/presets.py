@@ -33,6 +33,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen3": dict(_TINY, model_type="qwen3", vocab_size=300, tie_word_embeddings=False),
     # Mistral (no sliding window), tied.
     "tiny-mistral": dict(_TINY, model_type="mistral", vocab_size=256, tie_word_embeddings=True, sliding_window=None),
+    # Qwen3-MoE: 4 experts, top-2 with renormalised probabilities, expert size != dense size, and the
+    # load-balancing loss on (output_router_logits).
+    "tiny-qwen3-moe": dict(_TINY, model_type="qwen3_moe", vocab_size=300, tie_word_embeddings=False,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                           decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True,
+                           router_aux_loss_coef=0.01),
+    # Mixtral: 4 experts, top-2 (always renormalised), the experts of the dense intermediate size, tied.
+    "tiny-mixtral": dict(_TINY, model_type="mixtral", vocab_size=256, tie_word_embeddings=True, sliding_window=None,
+                         num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
     # ~300k-parameter Qwen2 shape (2 layers, hidden 128, 4/2 heads): the small RL benchmark size
     # in docs/benchmarks.md (tools/bench_rl.py).
     "bench-qwen2-300k": dict(_TINY, model_type="qwen2", vocab_size=128, tie_word_embeddings=True,

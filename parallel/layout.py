@@ -1,6 +1,7 @@
 """Megatron parallel layouts: validation and process-group setup (the models are built by ``parallel.models``).
 
-A layout is TP x CP x DP x PP (with optional VPP and sequence parallelism) over a world of ranks.
+A layout is TP x CP x DP x PP (with optional VPP and sequence parallelism) over a world of ranks;
+an MoE model's experts are split EP x ETP over the same ranks.
 It is validated against the model before any process group or tensor exists, so a bad layout
 fails with one message naming the field and the fix.
 """
@@ -28,6 +29,11 @@ class MegatronLayout:
     cp: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    # MoE models: expert parallelism (whole experts split over ep ranks) and expert tensor
+    # parallelism (each expert split over etp ranks). The ep*etp expert ranks of a stage are
+    # carved from its tp*cp*dp ranks, fastest first (megatron's expert order tp-ep-dp-pp).
+    ep: int = 1
+    etp: int = 1
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP implied by the world size; raises if the world is not a multiple of TP*PP*CP."""
@@ -41,7 +47,7 @@ class MegatronLayout:
 
     def validate(self, world_size: int, hf_config: Mapping[str, Any] | None = None) -> None:
         """Check the layout against the world size and (if given) the model, before any work."""
-        for field in ("tp", "pp", "cp"):
+        for field in ("tp", "pp", "cp", "ep", "etp"):
             if getattr(self, field) < 1:
                 raise LayoutError(f"layout.{field}={getattr(self, field)} must be >= 1")
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
@@ -50,9 +56,25 @@ class MegatronLayout:
             )
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("layout.sequence_parallel=true needs tp > 1; set it to false for tp=1")
-        self.data_parallel_size(world_size)
+        dp = self.data_parallel_size(world_size)
+        if (self.tp * self.cp * dp) % (self.ep * self.etp):
+            raise LayoutError(
+                f"layout.ep*etp={self.ep}*{self.etp} must divide tp*cp*dp={self.tp}*{self.cp}*{dp} (the expert ranks "
+                "of a pipeline stage are its tensor/context/data-parallel ranks); lower ep/etp or add ranks")
         if hf_config is None:
             return
+        from model_specs import num_experts
+
+        experts = num_experts(hf_config)
+        if (self.ep > 1 or self.etp > 1) and not experts:
+            raise LayoutError(f"layout.ep={self.ep}, etp={self.etp} need an MoE model; this model has no experts: set "
+                              "ep and etp to 1")
+        if experts and self.tp > 1 and not self.sequence_parallel:
+            raise LayoutError(f"layout.tp={self.tp} with an MoE model needs layout.sequence_parallel=true (megatron's "
+                              "MoE layer refuses to train under TP without it); set sequence_parallel: true")
+        if experts and experts % self.ep:
+            raise LayoutError(f"layout.ep={self.ep} must divide num_experts={experts}; pick ep from "
+                              f"{[e for e in range(1, experts + 1) if experts % e == 0]}")
         heads = hf_config["num_attention_heads"]
         kv_heads = hf_config.get("num_key_value_heads") or heads
         if heads % self.tp or kv_heads % self.tp:
@@ -98,6 +120,8 @@ class MegatronLayout:
             virtual_pipeline_model_parallel_size=self.vpp,
             context_parallel_size=self.cp,
             sequence_parallel=self.sequence_parallel,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
         )
 
 
@@ -117,6 +141,8 @@ def initialize_megatron(layout: MegatronLayout, seed: int = 1234) -> None:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

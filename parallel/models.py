@@ -34,16 +34,16 @@ def megatron_config(
     if cpu_compat.needed():
         config_overrides = {**cpu_compat.GLOO_CONFIG_OVERRIDES, **config_overrides}
     family = family_for(hf_config)
-    config = TransformerConfig(
+    config = TransformerConfig(**{  # overrides win over the family's mapping (e.g. the MoE aux-loss coefficient)
         **family.transformer_config_kwargs(hf_config),
         **layout.transformer_config_kwargs(),
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        use_cpu_initialization=True,
+        "params_dtype": params_dtype,
+        "pipeline_dtype": params_dtype,
+        "bf16": params_dtype == torch.bfloat16,
+        "fp16": params_dtype == torch.float16,
+        "use_cpu_initialization": True,
         **config_overrides,
-    )
+    })
     # YaRN: megatron-core's GPTModel and attention read these with getattr; they are not
     # TransformerConfig fields (model_specs.base: the RoPE mapping).
     for name, value in family.yarn_config_attributes(hf_config).items():
@@ -52,10 +52,15 @@ def megatron_config(
 
 
 
-def default_layer_spec() -> str:
+def default_layer_spec(hf_config: Mapping[str, Any] | None = None) -> str:
     """The layer spec (``model_specs.LAYER_SPECS``) a build uses unless told: Transformer Engine's
     ("te": fused norm + linear, TE's attention with native CP and packed rows) when it imports,
-    else megatron's local spec ("local": pure torch, what CPUs run)."""
+    else megatron's local spec ("local": pure torch, what CPUs run); "local" for an MoE model
+    (``hf_config`` with experts), whose TE names are not mapped yet."""
+    from model_specs import num_experts
+
+    if hf_config is not None and num_experts(hf_config):
+        return "local"
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
@@ -104,6 +109,9 @@ def transformer_layer_spec(config, layout: MegatronLayout, packed_sequences: boo
     from parallel.modules.shared_prefix import SharedPrefixAttention
 
     kind = core_attention_kind(layout, packed_sequences, shared_prompts, layer_spec)
+    if layer_spec == "te" and config.num_moe_experts:
+        raise ValueError("layer_spec='te' is not mapped for MoE models yet (model_specs.gpt_weight_rules); "
+                         "use layer_spec='local'")
     if layer_spec == "te":
         try:
             import transformer_engine  # noqa: F401  (megatron's TE spec fails with a NameError without it)
@@ -120,7 +128,9 @@ def transformer_layer_spec(config, layout: MegatronLayout, packed_sequences: boo
 
     attention = {"sdpa": SDPAttention, "context_parallel": ContextParallelAttention,
                  "shared_prefix": SharedPrefixAttention}[kind]
-    spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm"))
+    # MoE: megatron's MoELayer with SequentialMLP experts (grouped GEMM needs TE or CUDA kernels).
+    spec = copy.deepcopy(get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                                  qk_layernorm=config.qk_layernorm, normalization="RMSNorm"))
     spec.submodules.self_attention.submodules.core_attention = attention
     return spec
 
@@ -142,7 +152,7 @@ def build_model_chunks(
     ``use_cpu_initialization``), so the same seed gives the same model at every layout.
     ``packed_sequences``: the chunks accept ``packed_seq_params`` (see parallel.modules.packing);
     ``shared_prompts``: shared-prefix rows' segment ids as ``attention_mask`` (parallel.modules.shared_prefix);
-    ``layer_spec``: "local" or "te" (``transformer_layer_spec``), None for ``default_layer_spec()``.
+    ``layer_spec``: "local" or "te" (``transformer_layer_spec``), None for ``default_layer_spec(hf_config)``.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -154,7 +164,7 @@ def build_model_chunks(
     model_kwargs = family.gpt_model_kwargs(hf_config)
     model_kwargs["vocab_size"] = padded_vocab_size(model_kwargs["vocab_size"], make_vocab_size_divisible_by, layout.tp)
     spec = transformer_layer_spec(config, layout, packed_sequences, shared_prompts,
-                                  default_layer_spec() if layer_spec is None else layer_spec)
+                                  default_layer_spec(hf_config) if layer_spec is None else layer_spec)
     llama3_overrides = family.llama3_scaling_overrides(hf_config)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
@@ -233,6 +243,10 @@ def init_params_layout_independent(chunks: list, seed: int, vocab_size: int, std
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     with torch.no_grad():
         for chunk in chunks:
+            if unwrap_model(chunk).config.num_moe_experts:
+                raise ValueError("init_params_layout_independent does not place experts (local expert indices, "
+                                 "expert TP); give an MoE model the same weights at every layout by loading an HF "
+                                 "checkpoint (parallel.checkpoint.convert.load_hf_into_chunks)")
             for name, param in chunk.named_parameters():
                 key = global_param_name(chunk, name)
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))

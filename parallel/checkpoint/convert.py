@@ -24,7 +24,14 @@ from parallel.checkpoint.hf_io import HFCheckpoint, check_chunk_names, chunks_la
 from parallel.forward import prompt_logits
 from parallel.layout import MegatronLayout
 from parallel.models import init_value_head, unwrap_model, value_heads
-from parallel.reshard.shards import LocalTensor, MegatronRank, hf_tensor_shapes, megatron_shards, this_megatron_rank
+from parallel.reshard.shards import (
+    LocalTensor,
+    MegatronRank,
+    hf_tensor_shapes,
+    megatron_position,
+    megatron_shards,
+    this_megatron_rank,
+)
 
 
 def fill_local_tensor(dst: torch.Tensor, local: LocalTensor, ckpt: HFCheckpoint) -> None:
@@ -64,13 +71,13 @@ def _boxes_by_hf_name(tensors_per_chunk: list[dict[str, LocalTensor]]) -> dict[s
 
 
 def _contributing_ranks(layout: MegatronLayout, world_size: int) -> dict[int, MegatronRank]:
-    """One replica of the model: the ranks of data-parallel and context-parallel index 0
-    (megatron's rank order is tp-cp-dp-pp)."""
-    from parallel.reshard.plan import megatron_device_positions
-
-    dp = layout.data_parallel_size(world_size)
-    return {rank: position for rank, position in megatron_device_positions(layout, world_size).items()
-            if (rank // layout.tp) % (layout.cp * dp) == 0}
+    """One replica of the model: the lowest rank at each model position (``megatron_position``);
+    without experts the ranks of data-parallel and context-parallel index 0, with experts also
+    the data-parallel ranks that hold the other expert-parallel ranks' experts."""
+    first: dict[MegatronRank, int] = {}
+    for rank in range(world_size):
+        first.setdefault(megatron_position(rank, layout, world_size), rank)
+    return {rank: position for position, rank in first.items()}
 
 
 def gather_hf_tensors(chunks: list, hf: Mapping[str, Any], layout: MegatronLayout,

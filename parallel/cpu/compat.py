@@ -35,6 +35,9 @@ Patches (name -> why):
   ~20% faster 20M-model update. Sequence parallelism, gradient-accumulation fusion and deferred
   weight gradients keep megatron's own function; ``MEGARL_CPU_LINEAR=aten`` turns it off. Tested
   in tests/parallel/cpu/test_linear.py (TP=1/2 against a float64 oracle).
+- ``moe_without_te``: megatron-core 0.16's MoE router GEMM (``moe_utils.RouterGatingLinearFunction``)
+  tests ``te_general_gemm is not None``, a name that only exists when Transformer Engine imports
+  (a NameError without it); it is defined as None, which selects the function's own torch GEMM.
 """
 
 from __future__ import annotations
@@ -258,6 +261,13 @@ def _patch_onednn_linear() -> None:
     layers.linear_with_frozen_weight = linear_with_frozen_weight
 
 
+def _patch_moe_without_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 PATCHES = {
     "device_mode": _patch_device_mode,
     "cuda_runtime": _patch_cuda_runtime,
@@ -265,6 +275,7 @@ PATCHES = {
     "tensor_type": _patch_tensor_type,
     "sequence_parallel_norm": _patch_sequence_parallel_norm,
     "onednn_linear": _patch_onednn_linear,
+    "moe_without_te": _patch_moe_without_te,
 }
 
 

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from model_specs import family_for, padded_vocab_size
+from model_specs import family_for, num_experts, padded_vocab_size
 from parallel.layout import MegatronLayout
 from parallel.models import megatron_config
 
@@ -44,10 +44,31 @@ class LocalTensor:
 
 @dataclasses.dataclass(frozen=True)
 class MegatronRank:
-    """A model-parallel position: data-parallel replicas hold the same tensors."""
+    """A model-parallel position: ranks at the same position hold the same tensors. ``ep``/``etp``:
+    the expert-parallel and expert-tensor-parallel ranks (0 for a dense model)."""
 
     pp: int
     tp: int
+    ep: int = 0
+    etp: int = 0
+
+
+def megatron_position(rank: int, layout: MegatronLayout, world_size: int) -> MegatronRank:
+    """Global rank -> model position, in megatron's rank orders: tp-cp-dp-pp for the dense
+    weights, etp-ep-edp-pp for the experts (both fastest-first within a pipeline stage)."""
+    stage_size = world_size // layout.pp
+    in_stage = rank % stage_size
+    return MegatronRank(pp=rank // stage_size, tp=in_stage % layout.tp, ep=(in_stage // layout.etp) % layout.ep,
+                        etp=in_stage % layout.etp)
+
+
+def megatron_positions(layout: MegatronLayout) -> list[MegatronRank]:
+    """Every distinct model position of ``layout``, whatever its data parallelism: a position is a
+    function of the rank within its stage modulo lcm(tp, ep*etp), which divides every valid stage size."""
+    period = math.lcm(layout.tp, layout.ep * layout.etp)
+    world = period * layout.pp
+    return sorted({megatron_position(rank, layout, world) for rank in range(world)},
+                  key=lambda p: (p.pp, p.tp, p.ep, p.etp))
 
 
 def box_volume(box: Box) -> int:
@@ -147,6 +168,12 @@ def hf_tensor_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     kv_heads = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hidden // heads
     ffn, vocab = hf["intermediate_size"], hf["vocab_size"]
+    family = family_for(hf)
+    moe = family.moe
+    if moe is not None:
+        expert_ffn = hf[moe.ffn_field]
+        expert_shapes = {moe.gate: (expert_ffn, hidden), moe.up: (expert_ffn, hidden), moe.down: (hidden, expert_ffn)}
+        router = (num_experts(hf), hidden)
     by_suffix = {
         "embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
         "norm.weight": (hidden,), "layernorm.weight": (hidden,),
@@ -157,23 +184,31 @@ def hf_tensor_shapes(hf: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         "gate_proj.weight": (ffn, hidden), "up_proj.weight": (ffn, hidden), "down_proj.weight": (hidden, ffn),
     }
     shapes = {}
-    for name in family_for(hf).hf_tensor_names(hf):
-        suffix = max((s for s in by_suffix if name.endswith(s)), key=len)  # q_norm before norm
-        shapes[name] = by_suffix[suffix]
+    for name in family.hf_tensor_names(hf):
+        if moe is not None and ".experts." in name:
+            shapes[name] = next(shape for suffix, shape in expert_shapes.items() if name.endswith("." + suffix))
+        elif moe is not None and name.endswith(moe.router.rsplit("}", 1)[1]):
+            shapes[name] = router
+        else:
+            suffix = max((s for s in by_suffix if name.endswith(s)), key=len)  # q_norm before norm
+            shapes[name] = by_suffix[suffix]
     return shapes
 
 
 def megatron_shards(
     hf: Mapping[str, Any], layout: MegatronLayout, make_vocab_size_divisible_by: int = 128, layer_spec: str = "local"
 ) -> dict[MegatronRank, list[dict[str, LocalTensor]]]:
-    """For every (pp, tp) rank, per virtual-pipeline chunk, the local tensors of its GPTModel
-    chunk keyed by megatron's parameter name (local layer indices, as in named_parameters()) as
-    the model's ``layer_spec`` (``model_specs.LAYER_SPECS``) names it: the boxes are the same for
-    both specs, only the fused norms' names differ."""
+    """For every model position (``megatron_positions``), per virtual-pipeline chunk, the local
+    tensors of its GPTModel chunk keyed by megatron's parameter name (local layer and expert
+    indices, as in named_parameters()) as the model's ``layer_spec`` (``model_specs.LAYER_SPECS``)
+    names it: the boxes are the same for both specs, only the fused norms' names differ. An MoE
+    layer's experts: EP rank e holds experts [e*E/ep, (e+1)*E/ep), each split over ETP as a dense MLP
+    over TP."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    layout.validate(layout.tp * layout.pp * layout.cp, hf)
+    layout.validate(math.lcm(layout.tp * layout.cp, layout.ep * layout.etp) * layout.pp, hf)
+    positions = megatron_positions(layout)
     family = family_for(hf)
     rules = family.weight_rules(hf, layer_spec)
     shapes = hf_tensor_shapes(hf)
@@ -182,35 +217,41 @@ def megatron_shards(
     heads_per_group = config.num_attention_heads // config.num_query_groups
     tied = bool(hf.get("tie_word_embeddings"))
     chunks_per_stage = layout.vpp or 1
+    local_experts = (num_experts(hf) or 0) // layout.ep
     result: dict[MegatronRank, list[dict[str, LocalTensor]]] = {}
-    for pp_rank in range(layout.pp):
-        for tp_rank in range(layout.tp):
-            chunks = []
-            for vp in range(chunks_per_stage):
-                vp_stage = vp if layout.vpp else None
-                first = pp_rank == 0 and vp == 0
-                last = pp_rank == layout.pp - 1 and vp == chunks_per_stage - 1
-                offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-                count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-                tensors = {}
-                for rule in rules:
-                    if rule.per_layer:
-                        placements = [(rule.megatron.format(layer=i), offset + i) for i in range(count)]
-                    elif rule.megatron.startswith("embedding."):
-                        placements = [(rule.megatron, None)] if first else []
-                    elif rule.megatron.startswith("output_layer."):
-                        placements = [(rule.megatron, None)] if last and not (tied and first) else []
-                    else:  # final norm
-                        placements = [(rule.megatron, None)] if last else []
-                    for local_name, global_layer in placements:
-                        names = [n.format(layer=global_layer) for n in rule.hf]
-                        shape, pieces = rule_pieces(
-                            rule.kind, names, [shapes[n] for n in names], tp_rank, layout.tp, padded,
-                            heads_per_group=heads_per_group, head_dim=config.kv_channels,
-                        )
-                        tensors[local_name] = LocalTensor(local_name, shape, tuple(pieces))
-                chunks.append(tensors)
-            result[MegatronRank(pp_rank, tp_rank)] = chunks
+    for position in positions:
+        pp_rank = position.pp
+        chunks = []
+        for vp in range(chunks_per_stage):
+            vp_stage = vp if layout.vpp else None
+            first = pp_rank == 0 and vp == 0
+            last = pp_rank == layout.pp - 1 and vp == chunks_per_stage - 1
+            offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            tensors = {}
+            for rule in rules:
+                # (local name, global layer, global expert) of every copy of the rule on this chunk
+                if rule.per_expert:
+                    placements = [(rule.megatron.format(layer=i, expert=e), offset + i, position.ep * local_experts + e)
+                                  for i in range(count) for e in range(local_experts)]
+                elif rule.per_layer:
+                    placements = [(rule.megatron.format(layer=i), offset + i, None) for i in range(count)]
+                elif rule.megatron.startswith("embedding."):
+                    placements = [(rule.megatron, None, None)] if first else []
+                elif rule.megatron.startswith("output_layer."):
+                    placements = [(rule.megatron, None, None)] if last and not (tied and first) else []
+                else:  # final norm
+                    placements = [(rule.megatron, None, None)] if last else []
+                tp_rank, tp = (position.etp, layout.etp) if rule.per_expert else (position.tp, layout.tp)
+                for local_name, global_layer, global_expert in placements:
+                    names = [n.format(layer=global_layer, expert=global_expert) for n in rule.hf]
+                    shape, pieces = rule_pieces(
+                        rule.kind, names, [shapes[n] for n in names], tp_rank, tp, padded,
+                        heads_per_group=heads_per_group, head_dim=config.kv_channels,
+                    )
+                    tensors[local_name] = LocalTensor(local_name, shape, tuple(pieces))
+            chunks.append(tensors)
+        result[position] = chunks
     return result
 
 
@@ -256,6 +297,9 @@ def validate_sglang_tp(hf: Mapping[str, Any], tp: int) -> None:
 def sglang_shards(hf: Mapping[str, Any], tp: int) -> dict[int, dict[str, LocalTensor]]:
     """For every SGLang TP rank, its parameters (SGLang names) as pieces of HF tensors."""
     validate_sglang_tp(hf, tp)
+    if family_for(hf).moe is not None:
+        raise ValueError(f"model_type={hf['model_type']!r} is an MoE model: SGLang's expert weights are not mapped "
+                         "yet (megarl issue 24, item 4), so its weights cannot be synced to SGLang")
     shapes = hf_tensor_shapes(hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     padded = sglang_vocab_rows(hf["vocab_size"], tp)
@@ -278,9 +322,11 @@ def sglang_shards(hf: Mapping[str, Any], tp: int) -> dict[int, dict[str, LocalTe
 
 
 def this_megatron_rank() -> MegatronRank:
-    """This process's (pipeline, tensor) position in megatron's initialised process groups."""
+    """This process's (pipeline, tensor, expert, expert-tensor) position in megatron's initialised
+    process groups."""
     from megatron.core import parallel_state
 
     return MegatronRank(
-        pp=parallel_state.get_pipeline_model_parallel_rank(), tp=parallel_state.get_tensor_model_parallel_rank()
+        pp=parallel_state.get_pipeline_model_parallel_rank(), tp=parallel_state.get_tensor_model_parallel_rank(),
+        ep=parallel_state.get_expert_model_parallel_rank(), etp=parallel_state.get_expert_tensor_parallel_rank(),
     )

@@ -13,7 +13,7 @@ def test_tiny_presets_map_to_megatron(preset):
     assert kwargs["num_query_groups"] == hf["num_key_value_heads"]
     assert kwargs["kv_channels"] == hf["head_dim"]
     assert kwargs["add_qkv_bias"] == (hf["model_type"] == "qwen2")
-    assert kwargs["qk_layernorm"] == (hf["model_type"] == "qwen3")
+    assert kwargs["qk_layernorm"] == (hf["model_type"] in ("qwen3", "qwen3_moe"))
     # The HF model built from the same preset agrees on what the parameters are.
     config = make_hf_config(preset)
     assert config.num_key_value_heads == kwargs["num_query_groups"]
@@ -25,7 +25,7 @@ def test_presets_cover_the_cases_parallel_code_must_get_right():
     assert {c["tie_word_embeddings"] for c in configs} == {True, False}
     assert {c["vocab_size"] % 64 == 0 for c in configs} == {True, False}
     assert {c["num_key_value_heads"] for c in configs} >= {1, 2}
-    assert {c["model_type"] for c in configs} == {"llama", "qwen2", "qwen3", "mistral"}
+    assert {c["model_type"] for c in configs} == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"}
 
 
 def test_vocab_padding_matches_megatron_rule():

@@ -92,6 +92,11 @@ def compat_patches_in_isolation():
     norm = WrappedTorchNorm(config, 8)
     out["sp_norm"] = (type(norm).__name__, all(p.sequence_parallel for p in norm.parameters()),
                       config.sequence_parallel)
+
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    inputs, weight = torch.randn(3, 8), torch.randn(4, 8)
+    out["router_gemm"] = torch.equal(router_gating_linear(inputs, weight, None, torch.float32), inputs @ weight.t())
     return out
 
 
