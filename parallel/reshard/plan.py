@@ -17,8 +17,10 @@ assembled on trainer devices (``separate_pool_rounds``) and shipped from there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 import torch
@@ -57,6 +59,14 @@ class Plan:
     destinations: dict[int, dict[str, LocalTensor]]  # device -> its destination tensors
     element_size: int
     minimum_network_bytes: int
+    _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        """Pickled (e.g. shipped to the workers through Ray) without its compiled runs."""
+        return {k: v for k, v in self.__dict__.items() if k != "_compiled"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _compiled={})
 
     @property
     def network_bytes(self) -> int:
@@ -179,15 +189,275 @@ def plan_megatron_to_sglang(
     return Plan(copies, fills, destinations, element_size, minimum)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One or more copies (or zero fills) as a single strided view of each side's storage:
+    ``size`` elements at ``src_stride`` from ``src_offset`` and ``dst_stride`` from ``dst_offset``
+    (elements, relative to the tensor's own offset). A side that is a flat transfer bucket is
+    contiguous; a zero fill has no source. With ``parts``, the run writes whole rows that are
+    the parts' column blocks side by side (their sources; its own source fields are the first
+    part's)."""
+
+    src: int | None
+    src_key: tuple[int, str] | None
+    dst: int | None
+    dst_key: str | None
+    size: tuple[int, ...]
+    src_stride: tuple[int, ...]
+    src_offset: int
+    dst_stride: tuple[int, ...]
+    dst_offset: int
+    parts: tuple[_Run, ...] = ()
+
+    def view(self, tensor: torch.Tensor, side: str) -> torch.Tensor:
+        stride, offset = (self.src_stride, self.src_offset) if side == "src" else (self.dst_stride, self.dst_offset)
+        return tensor.as_strided(self.size, stride, tensor.storage_offset() + offset)
+
+
+def _row_major(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _side(box: Box, shape) -> tuple[tuple[int, ...], int]:
+    """Strides and element offset of ``box`` in a row-major tensor of ``shape``."""
+    strides = _row_major(shape)
+    return strides, sum(lo * s for (lo, _), s in zip(box, strides))
+
+
+def _make_run(src, src_key, dst, dst_key, extents, src_side, dst_side) -> _Run:
+    """A run over ``extents`` with size-1 dimensions dropped and dimensions that are contiguous
+    on both sides merged, so a box of whole rows is one flat copy."""
+    dims: list[tuple[int, int, int]] = []  # (extent, src stride, dst stride), outermost first
+    for n, ss, ds in zip(extents, src_side[0], dst_side[0]):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == n * ss and dims[-1][2] == n * ds:
+            dims[-1] = (dims[-1][0] * n, ss, ds)
+        else:
+            dims.append((n, ss, ds))
+    dims = dims or [(1, 1, 1)]
+    return _Run(src, src_key, dst, dst_key, tuple(d[0] for d in dims), tuple(d[1] for d in dims), src_side[1],
+                tuple(d[2] for d in dims), dst_side[1])
+
+
+def _merge(a: _Run, b: _Run) -> _Run | None:
+    """``a`` and then ``b`` as one run when both are contiguous on both sides and either adjoin
+    (gate then up) or, at equal length, continue a constant step (a head group's rows), else None."""
+    if (a.src, a.src_key, a.dst, a.dst_key) != (b.src, b.src_key, b.dst, b.dst_key) or len(b.size) != 1 \
+            or b.src_stride != (1,) or b.dst_stride != (1,) or a.src_stride[-1] != 1 or a.dst_stride[-1] != 1:
+        return None
+    if len(a.size) == 1 and b.src_offset == a.src_offset + a.size[0] and b.dst_offset == a.dst_offset + a.size[0]:
+        return dataclasses.replace(a, size=(a.size[0] + b.size[0],))
+    if a.size[-1] != b.size[0] or b.src_offset <= a.src_offset or b.dst_offset <= a.dst_offset:
+        return None
+    if len(a.size) == 1:
+        return dataclasses.replace(a, size=(2, a.size[0]), src_stride=(b.src_offset - a.src_offset, 1),
+                                   dst_stride=(b.dst_offset - a.dst_offset, 1))
+    n = a.size[0]
+    if len(a.size) == 2 and b.src_offset == a.src_offset + n * a.src_stride[0] \
+            and b.dst_offset == a.dst_offset + n * a.dst_stride[0]:
+        return dataclasses.replace(a, size=(n + 1, a.size[1]))
+    return None
+
+
+def _side_by_side(runs: list[_Run]) -> list[_Run]:
+    """Runs that write column blocks of whole rows of one tensor as one run with ``parts``: a
+    ``torch.cat`` writes the rows one after the other, where each block's strided copy runs at
+    about 0.6x a contiguous one."""
+    blocks: dict = defaultdict(list)
+    for run in runs:
+        if len(run.size) == 2 and run.dst_stride[1] == 1 and run.src_stride[1] == 1:
+            blocks[(run.dst, run.dst_key, run.size[0], run.dst_stride[0], run.dst_offset // run.dst_stride[0])].append(run)
+    joined: dict[int, _Run | None] = {}  # id of a group's first run -> the group as one run, of the others -> None
+    for (_, _, rows, row, _), group in blocks.items():
+        group.sort(key=lambda r: r.dst_offset)
+        if len(group) > 1 and sum(r.size[1] for r in group) == row and group[0].dst_offset % row == 0 and all(
+                b.dst_offset == a.dst_offset + a.size[1] for a, b in zip(group, group[1:])):
+            joined[id(group[0])] = dataclasses.replace(group[0], size=(rows, row), dst_stride=(row, 1),
+                                                       parts=tuple(group))
+            joined.update({id(r): None for r in group[1:]})
+    return [joined.get(id(r), r) for r in runs if joined.get(id(r), r) is not None]
+
+
+def _merged(runs) -> list[_Run]:
+    out: list[_Run] = []
+    for run in runs:
+        merged = _merge(out[-1], run) if out else None
+        if merged is None:
+            out.append(run)
+        else:
+            out[-1] = merged
+    return out
+
+
+def _box_extents(box: Box) -> list[int]:
+    return [b - a for a, b in box]
+
+
+def _rows(run: _Run, start: int, stop: int) -> _Run:
+    """``run`` restricted to ``[start, stop)`` of its outermost dimension."""
+    return dataclasses.replace(run, size=(stop - start, *run.size[1:]), src_offset=run.src_offset + start * run.src_stride[0],
+                               dst_offset=run.dst_offset + start * run.dst_stride[0],
+                               parts=tuple(_rows(p, start, stop) for p in run.parts))
+
+
+def _split(run: _Run, most: int) -> list[_Run]:
+    """``run`` cut along its outermost dimension into pieces of at most about ``most`` elements."""
+    pieces = min(run.size[0], -(-math.prod(run.size) // most))
+    step = -(-run.size[0] // pieces)
+    return [_rows(run, start, min(start + step, run.size[0])) for start in range(0, run.size[0], step)]
+
+
+def _partition(runs: list[_Run], parts: int) -> list[list[_Run]]:
+    """``runs`` dealt into ``parts`` lists of about equal size, largest first, each to the least
+    loaded list. Runs linked by a shared tensor go together, one after the other (the column
+    halves of one tensor, copied back to back, find each other's cache lines), unless together
+    they exceed a quarter of a list's share: then they go as pieces of at most that size."""
+    parent: dict = {}
+
+    def root(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    for run in runs:
+        for part in run.parts or (run,):
+            parent[root(("dst", run.dst, run.dst_key))] = root(("src", part.src, part.src_key))
+    groups: dict = defaultdict(list)
+    for run in runs:
+        groups[root(("dst", run.dst, run.dst_key))].append(run)
+    most = max(1, sum(math.prod(r.size) for r in runs) // (4 * parts))
+    units = []
+    for group in groups.values():
+        if sum(math.prod(r.size) for r in group) <= most:
+            units.append(group)
+        else:
+            units += [[piece] for run in group for piece in _split(run, most)]
+    dealt: list[list[_Run]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for unit in sorted(units, key=lambda u: -sum(math.prod(r.size) for r in u)):
+        i = load.index(min(load))
+        dealt[i] += unit
+        load[i] += sum(math.prod(r.size) for r in unit)
+    return [d for d in dealt if d] or [[]]
+
+
+@dataclasses.dataclass
+class _Compiled:
+    """A plan's copies for one executor as merged runs dealt to the copy threads (``_run_all``),
+    and the tensor shapes they assume."""
+
+    fills: list[_Run]
+    local: list[list[_Run]]
+    buckets: list[tuple[int, int, int, list[list[_Run]]]]  # (src, dst, elements, runs) in transfer order
+    shapes: dict[tuple[str, int, object], tuple[int, ...]]
+
+    def check(self, sources, destinations) -> None:
+        """Refuse tensors whose shape or layout differs from the ones the runs were compiled for
+        (``sources(device)`` and ``destinations(device)`` give a device's tensors)."""
+        for (side, device, key), shape in self.shapes.items():
+            tensor = (sources if side == "src" else destinations)(device)[key]
+            if tuple(tensor.shape) != shape or not tensor.is_contiguous():
+                raise ValueError(f"{side} tensor {key} on device {device}: shape {tuple(tensor.shape)} "
+                                 f"(contiguous: {tensor.is_contiguous()}), the plan was compiled for {shape}")
+
+
+def _compile(plan: Plan, device: int | None, source_shapes, bucket_bytes: int, threads: int) -> _Compiled:
+    """Runs of every copy (``device`` None: all devices, in this process) or of ``device``'s part:
+    its zero fills, its local copies, and per peer pair the buckets it packs or unpacks, each
+    dealt to ``threads`` threads. ``source_shapes(device, key)`` is the shape of a source tensor held here."""
+    shapes: dict[tuple[str, int, object], tuple[int, ...]] = {}
+
+    def src_side(copy):
+        shape = shapes.setdefault(("src", copy.src, copy.src_key), tuple(source_shapes(copy.src, copy.src_key)))
+        return _side(copy.src_box, shape)
+
+    def dst_side(dst, key, box):
+        shape = shapes.setdefault(("dst", dst, key), tuple(plan.destinations[dst][key].shape))
+        return _side(box, shape)
+
+    fills = [_make_run(None, None, f.dst, f.dst_key, _box_extents(f.dst_box), dst_side(f.dst, f.dst_key, f.dst_box),
+                       dst_side(f.dst, f.dst_key, f.dst_box))
+             for f in plan.zero_fills if device in (None, f.dst)]
+    local, pairs = [], defaultdict(list)
+    for copy in plan.copies:
+        if device is None or copy.src == copy.dst == device:
+            local.append(_make_run(copy.src, copy.src_key, copy.dst, copy.dst_key, _box_extents(copy.src_box),
+                                   src_side(copy), dst_side(copy.dst, copy.dst_key, copy.dst_box)))
+        elif device in (copy.src, copy.dst):
+            pairs[(copy.src, copy.dst)].append(copy)
+    buckets = []
+    for (src, dst), copies in sorted(pairs.items()):
+        for bucket in _buckets(copies, bucket_bytes):
+            runs, offset = [], 0
+            for copy in bucket:
+                extents = _box_extents(copy.src_box)
+                flat = (_row_major(extents), offset)
+                runs.append(_make_run(src, copy.src_key, None, None, extents, src_side(copy), flat) if device == src
+                            else _make_run(None, None, dst, copy.dst_key, extents, flat,
+                                           dst_side(dst, copy.dst_key, copy.dst_box)))
+                offset += box_volume(copy.src_box)
+            buckets.append((src, dst, offset, _partition(_side_by_side(_merged(runs)), threads)))
+    return _Compiled(fills, _partition(_side_by_side(_merged(local)), threads), buckets, shapes)
+
+
+def _compiled(plan: Plan, device: int | None, sources, bucket_bytes: int = 0) -> _Compiled:
+    """The plan's runs for this executor, compiled once and kept on the plan: the trainer builds
+    its plans once and executes them at every weight sync."""
+    key = (device, bucket_bytes, torch.get_num_threads())
+    if key not in plan._compiled:
+        plan._compiled[key] = _compile(plan, device, lambda d, k: sources(d)[k].shape, *key[1:])
+    return plan._compiled[key]
+
+
+@functools.cache
+def _copy_threads(count: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(count, thread_name_prefix="reshard-copy")
+
+
+def _copy(runs: list[_Run], source, target) -> None:
+    for run in runs:
+        if run.parts:
+            torch.cat([p.view(source(p), "src") for p in run.parts], dim=1, out=run.view(target(run), "dst"))
+        else:
+            run.view(target(run), "dst").copy_(run.view(source(run), "src"))
+
+
+def _run_all(parts: list[list[_Run]], fills: list[_Run], source, target) -> None:
+    """Zero ``fills``, then copy every run, one thread per part: ``target(run)`` and
+    ``source(run)`` are the tensors the run views.
+
+    Each thread copies its runs one after the other with torch's intra-op threads set to one
+    meanwhile (process-wide, restored after), so an execution waits for its threads once rather
+    than at every copy: on a loaded machine a descheduled intra-op thread would stall each of
+    hundreds of copies in turn."""
+    for run in fills:
+        run.view(target(run), "dst").zero_()
+    if len(parts) == 1:
+        _copy(parts[0], source, target)
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        others = [_copy_threads(len(parts) - 1).submit(_copy, part, source, target) for part in parts[1:]]
+        _copy(parts[0], source, target)
+        for other in others:
+            other.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def execute_plan_in_memory(plan: Plan, sources: Mapping[int, Mapping[tuple[int, str], torch.Tensor]],
                            destinations: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
     """Run a plan when every device's tensors are in this process (tests, planning tools):
-    writes the destination tensors in place."""
-    for fill in plan.zero_fills:
-        destinations[fill.dst][fill.dst_key][tuple(slice(a, b) for a, b in fill.dst_box)].zero_()
-    for copy in plan.copies:
-        src = sources[copy.src][copy.src_key][tuple(slice(a, b) for a, b in copy.src_box)]
-        destinations[copy.dst][copy.dst_key][tuple(slice(a, b) for a, b in copy.dst_box)].copy_(src)
+    writes the destination tensors (contiguous, as are the sources) in place."""
+    compiled = _compiled(plan, None, sources.__getitem__)
+    compiled.check(sources.__getitem__, destinations.__getitem__)
+    _run_all(compiled.local, compiled.fills, lambda r: sources[r.src][r.src_key], lambda r: destinations[r.dst][r.dst_key])
 
 
 def execute_plan(
@@ -200,49 +470,50 @@ def execute_plan(
 ) -> dict[str, int]:
     """This device's part of a plan, over torch.distributed (device index = rank in ``group``).
 
-    Writes ``destinations`` (preallocated, e.g. the buffers handed to SGLang) in place from local
-    ``sources`` and from peers. Peer traffic goes pair by pair in one global (src, dst) order, so
-    every process walks the same sequence and no send waits on a receive that comes later; each
-    pair's copies travel in flat buckets of at most ``bucket_bytes`` (the only extra memory).
-    Returns bytes copied locally, sent and received.
+    Writes ``destinations`` (preallocated and contiguous, e.g. the buffers handed to SGLang) in
+    place from local ``sources`` and from peers. Peer traffic goes pair by pair in one global
+    (src, dst) order, so every process walks the same sequence and no send waits on a receive
+    that comes later; each pair's copies travel in flat buckets of at most ``bucket_bytes``, two
+    in flight at a time, so packing or unpacking one bucket overlaps the transfer of the next
+    (the two buckets are the only extra memory). Returns bytes copied locally, sent and received.
     """
     import torch.distributed as dist
 
-    def region(tensor, box):
-        return tensor[tuple(slice(a, b) for a, b in box)]
+    compiled = _compiled(plan, device, lambda d: sources, bucket_bytes)
+    compiled.check(lambda d: sources, lambda d: destinations)
+    source, target = (lambda r: sources[r.src_key]), (lambda r: destinations[r.dst_key])
+    _run_all(compiled.local, compiled.fills, source, target)
+    stats = {"local_bytes": sum(math.prod(r.size) for part in compiled.local for r in part) * plan.element_size,
+             "sent_bytes": 0, "received_bytes": 0}
+    capacity = max((numel for _, _, numel, _ in compiled.buckets), default=0)
+    free: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)  # flat buffers, two per dtype at most
+    in_flight: list[tuple] = []  # (work, buffer, bucket), oldest first
 
-    stats = {"local_bytes": 0, "sent_bytes": 0, "received_bytes": 0}
-    for fill in plan.zero_fills:
-        if fill.dst == device:
-            region(destinations[fill.dst_key], fill.dst_box).zero_()
-    pairs: dict[tuple[int, int], list[Copy]] = defaultdict(list)
-    for copy in plan.copies:
-        if copy.src == device and copy.dst == device:
-            region(destinations[copy.dst_key], copy.dst_box).copy_(region(sources[copy.src_key], copy.src_box))
-            stats["local_bytes"] += copy.nbytes
-        elif device in (copy.src, copy.dst):
-            pairs[(copy.src, copy.dst)].append(copy)
-    for (src, dst), copies in sorted(pairs.items()):
-        for bucket in _buckets(copies, bucket_bytes):
-            numel = sum(c.nbytes for c in bucket) // plan.element_size
-            dtype = next(iter(destinations.values())).dtype if device == dst else sources[bucket[0].src_key].dtype
-            flat = torch.empty(numel, dtype=dtype)
-            if device == src:
-                offset = 0
-                for copy in bucket:
-                    part = region(sources[copy.src_key], copy.src_box)
-                    flat[offset: offset + part.numel()].copy_(part.reshape(-1))
-                    offset += part.numel()
-                dist.send(flat, dst=src_to_group_rank(dst, group), group=group)
-                stats["sent_bytes"] += flat.numel() * flat.element_size()
-            else:
-                dist.recv(flat, src=src_to_group_rank(src, group), group=group)
-                offset = 0
-                for copy in bucket:
-                    target = region(destinations[copy.dst_key], copy.dst_box)
-                    target.copy_(flat[offset: offset + target.numel()].view(target.shape))
-                    offset += target.numel()
-                stats["received_bytes"] += flat.numel() * flat.element_size()
+    def finish_oldest():
+        work, buffer, (_, dst, numel, runs) = in_flight.pop(0)
+        work.wait()
+        if dst == device:
+            flat = buffer[:numel]
+            _run_all(runs, [], lambda r: flat, target)
+        free[buffer.dtype].append(buffer)
+
+    for bucket in compiled.buckets:
+        src, dst, numel, runs = bucket
+        while in_flight and (len(in_flight) == 2 or in_flight[-1][2][:2] != (src, dst)):
+            finish_oldest()  # two buckets in flight, and a pair's transfers end before the next pair's
+        dtype = next(iter(destinations.values())).dtype if device == dst else sources[runs[0][0].src_key].dtype
+        buffer = free[dtype].pop() if free[dtype] else torch.empty(capacity, dtype=dtype)
+        flat = buffer[:numel]
+        if device == src:
+            _run_all(runs, [], source, lambda r: flat)
+            work = dist.isend(flat, dst=src_to_group_rank(dst, group), group=group)
+            stats["sent_bytes"] += flat.numel() * flat.element_size()
+        else:
+            work = dist.irecv(flat, src=src_to_group_rank(src, group), group=group)
+            stats["received_bytes"] += flat.numel() * flat.element_size()
+        in_flight.append((work, buffer, bucket))
+    while in_flight:
+        finish_oldest()
     return stats
 
 
