@@ -65,11 +65,36 @@ def load_tokenizer(cfg: RunConfig, model_dir: str):
 
 
 def config_fingerprint(cfg: RunConfig) -> dict:
-    """What a checkpoint must agree with to be resumed: the model and the actor's layout."""
+    """What a checkpoint is resumed against: the model, which roles run, and where (the layouts and
+    cluster, ``ELASTIC_KEYS``: those may change, see ``Trainer._maybe_resume``)."""
     return {"model": cfg.model.path, "dtype": cfg.model.dtype,
             "actor_layout": dataclasses.asdict(cfg.actor.layout), "cluster": dataclasses.asdict(cfg.cluster),
             "critic_layout": dataclasses.asdict(cfg.layout_for("critic")) if cfg.critic.enabled else None,
             "critic": cfg.critic.enabled, "ref": cfg.ref.enabled}
+
+
+def resume_changes(saved: dict, cfg: RunConfig, path: Path) -> str:
+    """What ``cfg`` changes of the fingerprint a checkpoint at ``path`` was ``saved`` with, as one
+    line ("" if nothing): only where the models run (``ELASTIC_KEYS``) may change; RunError
+    naming anything else."""
+    changed = {k: (saved.get(k), v) for k, v in config_fingerprint(cfg).items() if saved.get(k) != v}
+
+    def line(keys) -> str:
+        return "; ".join(f"{k}: checkpoint {changed[k][0]!r}, config {changed[k][1]!r}" for k in keys)
+
+    fixed = [k for k in changed if k not in ELASTIC_KEYS]
+    if fixed:
+        raise RunError(f"cannot resume from {path}: the config changed ({line(fixed)}). Resume with the "
+                       "checkpoint's settings, or set trainer.resume=none / a new trainer.output_dir")
+    return line(changed)
+
+
+ELASTIC_KEYS = ("actor_layout", "critic_layout", "cluster")  # fingerprint keys an elastic resume may change
+ELASTIC_NOTE = (
+    "Models and optimizer states are resharded by Megatron's distributed checkpoints (the same values); the "
+    "step, learning-rate schedule, data position and KL controller are global and restored. Not identical to an "
+    "uninterrupted run: rollout sampling when the number of engines changed, and the fp32 rounding of reductions "
+    "split over other ranks")
 
 
 def weight_sync_rounds(cfg: RunConfig, hf_config: dict, layer_spec: str = "local"
@@ -547,13 +572,11 @@ class Trainer:
             raise RunError(f"trainer.resume={resume}: {path} is not a complete megarl checkpoint "
                            f"({STATE_FILE} is missing); pick one of {[str(p) for p in found]} or set trainer.resume=none")
         state = json.loads((path / STATE_FILE).read_text())
-        mine = config_fingerprint(self.cfg)
-        changed = {k: (state["fingerprint"].get(k), v) for k, v in mine.items() if state["fingerprint"].get(k) != v}
+        changed = resume_changes(state["fingerprint"], self.cfg, path)
+        rng_restored = all(self._call_workers("load_checkpoint", str(path)))
         if changed:
-            lines = "; ".join(f"{k}: checkpoint {old!r}, config {new!r}" for k, (old, new) in changed.items())
-            raise RunError(f"cannot resume from {path}: the config changed ({lines}). Resume with the "
-                           "checkpoint's settings, or set trainer.resume=none / a new trainer.output_dir")
-        self._call_workers("load_checkpoint", str(path))
+            rng = "" if rng_restored else ", and RNG states (re-seeded from (seed, optimizer steps, rank))"
+            self.log(f"megarl: elastic resume from {path}: {changed}. {ELASTIC_NOTE}{rng}")
         self.loader.load_state_dict(state["data"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.step = state["step"]

@@ -129,8 +129,9 @@ class MegatronWorker:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = group
         self.models: dict[str, _Model] = {}
-        self.layout = None
+        self.layout, self.seed = None, None
         self._staging = None  # shared-memory buffer of the rollout shards (rollout_shards(staged=True))
+        self._sync_plans: list = []  # resharding plans seen, whose compiled runs serve every later sync
 
     # ------------------------------------------------------------------ building
 
@@ -149,7 +150,7 @@ class MegatronWorker:
             raise ValueError(f"unknown role {spec.role!r}; roles: {list(MEGATRON_ROLES)}")
         if self.layout is None:
             initialize_megatron(spec.layout, seed=seed)
-            self.layout = spec.layout
+            self.layout, self.seed = spec.layout, seed
         elif spec.layout != self.layout:
             raise ValueError(f"{spec.role} layout {spec.layout} differs from this worker's {self.layout}; "
                              "models sharing a worker share its layout")
@@ -377,6 +378,12 @@ class MegatronWorker:
         from parallel.reshard.transport import SharedMemoryStaging
 
         device = dist.get_rank()
+        for known in self._sync_plans:  # the trainer sends the same plans at every sync
+            if known == plan:
+                plan = known
+                break
+        else:
+            self._sync_plans.append(plan)
         modules = self.models["actor"].modules
         sources = {(i, name): p.data for i, module in enumerate(modules) for name, p in module.named_parameters()}
         wanted = plan.destinations.get(device, {})
@@ -396,66 +403,75 @@ class MegatronWorker:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, directory: str) -> None:
-        """Collective: every trained model's weights as a Megatron distributed checkpoint (loadable
-        at any layout) under ``directory/<role>``, and this rank's optimizer, step and RNG states
-        (resumable at the same layout) under ``directory/rank_states/<group>/rank<r>.pt``. Frozen models
-        (the reference) are not saved: a resumed run rebuilds them from their initial weights."""
+        """Collective: every trained model's weights and optimizer state as Megatron distributed
+        checkpoints (loadable at any layout) under ``directory/<role>`` and
+        ``directory/optimizer/<role>``, and this rank's optimizer step counts and RNG states under
+        ``directory/rank_states/<group>/rank<r>.pt``. Frozen models (the reference) are not saved: a
+        resumed run rebuilds them from their initial weights."""
         import random
         from pathlib import Path
 
         from megatron.core import tensor_parallel
 
         from parallel.checkpoint.atomic import atomic_file
-        from parallel.checkpoint.dist_ckpt import save_megatron_checkpoint
+        from parallel.checkpoint.dist_ckpt import save_megatron_checkpoint, save_optimizer_checkpoint
 
         for role, model in self.models.items():
             if model.optimizer is not None:
                 save_megatron_checkpoint(model.chunks, Path(directory) / role, model.hf_config, model.spec.layout)
+                save_optimizer_checkpoint(model.optimizer, model.chunks, Path(directory) / "optimizer" / role)
         state = {
             "layout": dataclasses.asdict(self.layout), "world_size": self.world_size,
-            "optimizers": {role: m.optimizer.state_dict() for role, m in self.models.items() if m.optimizer},
             "optimizer_steps": {role: m.optimizer_steps for role, m in self.models.items()},
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state(),
                     "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()},
         }
-        with atomic_file(self._rank_state_file(directory)) as temporary:
+        with atomic_file(self._rank_state_file(directory, self.rank)) as temporary:
             torch.save(state, temporary)
         torch.distributed.barrier()
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Collective: restore what ``save_checkpoint`` wrote; the layout and world size must be
-        the ones it was saved at (optimizer states are per rank)."""
+    def load_checkpoint(self, directory: str) -> bool:
+        """Collective: restore what ``save_checkpoint`` wrote, at the layout and world size it was
+        saved at or at others (elastic resume): weights and optimizer states reshard through the
+        distributed checkpoints, step counts are global. RNG states are per rank: restored when the
+        layout and world size are the saved ones, else re-seeded from (seed, optimizer steps, rank).
+        Returns whether they were restored (the resume is then exact)."""
         import random
         from pathlib import Path
 
         import numpy as np
         from megatron.core import tensor_parallel
 
-        from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint
+        from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, load_optimizer_checkpoint
 
+        mine = self._rank_state_file(directory, self.rank)
+        saved = mine if mine.is_file() else self._rank_state_file(directory, 0)  # fewer ranks saved it
+        if not saved.is_file():
+            raise FileNotFoundError(f"{saved} is missing: checkpoint {directory} holds no rank states of pool "
+                                    f"{self.group!r}; resume with the pools it was saved with, or start a new run "
+                                    "from its weights (convert the checkpoint to HF with `megarl convert`)")
         # weights_only: a checkpoint is data, never code (tensors, numbers, strings and containers)
-        state = torch.load(self._rank_state_file(directory), weights_only=True)
-        mine = dataclasses.asdict(self.layout)
-        if state["layout"] != mine or state["world_size"] != self.world_size:
-            raise ValueError(
-                f"checkpoint {directory} was saved with layout {state['layout']} on {state['world_size']} ranks "
-                f"of pool {self.group!r}, this run has {mine} on {self.world_size}; resume with the same layouts "
-                "and cluster, or start a new run from its weights (convert the checkpoint to HF with `megarl convert`)")
+        state = torch.load(saved, weights_only=True)
         for role, model in self.models.items():
             if model.optimizer is not None:
                 load_megatron_checkpoint(model.chunks, Path(directory) / role)
-                model.optimizer.load_state_dict(state["optimizers"][role])
+                load_optimizer_checkpoint(model.optimizer, model.chunks, Path(directory) / "optimizer" / role)
             model.optimizer_steps = state["optimizer_steps"][role]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        name, keys, *rest = state["rng"]["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["megatron"])
+        same_layout = state["layout"] == dataclasses.asdict(self.layout) and state["world_size"] == self.world_size
+        if same_layout:
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+            name, keys, *rest = state["rng"]["numpy"]
+            np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["megatron"])
+        else:
+            _reseed(self.seed, max(state["optimizer_steps"].values(), default=0), self.rank)
+        return same_layout
 
-    def _rank_state_file(self, directory: str):
+    def _rank_state_file(self, directory: str, rank: int):
         from pathlib import Path
 
-        return Path(directory) / "rank_states" / self.group / f"rank{self.rank}.pt"
+        return Path(directory) / "rank_states" / self.group / f"rank{rank}.pt"
 
     def export_hf(self, target: str) -> None:
         """Collective: the actor's weights as an HF checkpoint at ``target`` (atomic)."""
@@ -480,6 +496,22 @@ def _numpy_rng_state() -> tuple:
 
     name, keys, *rest = np.random.get_state()
     return (name, torch.from_numpy(keys.astype(np.int64)), *rest)
+
+
+def _reseed(seed: int, steps: int, rank: int) -> None:
+    """Seed torch, python, numpy and megatron's model-parallel RNGs from (seed, steps, rank): the
+    RNG streams of a rank resumed at another layout, deterministic but not an uninterrupted run's."""
+    import hashlib
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    derived = int.from_bytes(hashlib.sha256(f"{seed}/{steps}/{rank}".encode()).digest()[:4], "little") >> 1
+    torch.manual_seed(derived)
+    random.seed(derived)
+    np.random.seed(derived)
+    tensor_parallel.model_parallel_cuda_manual_seed(derived)
 
 
 def _reduce_weighted(collected: list[dict]) -> dict[str, float]:

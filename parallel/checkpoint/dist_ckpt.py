@@ -130,3 +130,72 @@ def load_megatron_checkpoint(chunks: list, path: str | Path) -> dict:
         if missing or unexpected:
             raise CheckpointError(f"{path}: chunk {i} missing {missing}, unexpected {unexpected}")
     return metadata
+
+
+# Megatron's optimizer state in model space (every state tensor sharded like its parameter), so
+# that it loads at another TP/PP/DP size. The distributed optimizer gathers its DP shards for that
+# on DP rank 0 over gloo (host memory, not the GPU's); "fully_sharded_model_space", which would
+# not gather, fails in megatron-core 0.16 (flattened ShardedTensors are no longer supported).
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "distrib_optim_fully_reshardable_mem_efficient": True, "chained_optim_avoid_prefix": True}
+
+
+def _optimizer_sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
+    return optimizer.sharded_state_dict(_sharded_state_dict(chunks), is_loading=is_loading,
+                                        metadata=dict(OPTIMIZER_SHARDING))
+
+
+def save_optimizer_checkpoint(optimizer, chunks: list, target: str | Path) -> None:
+    """Collective: ``optimizer``'s state (Adam moments and step, fp32 main parameters of a bf16/fp16
+    model) as a distributed checkpoint at ``target``, sharded like ``chunks``' parameters."""
+    from megatron.core import dist_checkpointing
+
+    _write_results_in_this_process()
+    Path(target).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(_optimizer_sharded_state_dict(chunks, optimizer, is_loading=False), str(target))
+
+
+def load_optimizer_checkpoint(optimizer, chunks: list, path: str | Path) -> None:
+    """Collective: restore ``save_optimizer_checkpoint``'s state into ``optimizer`` over ``chunks``,
+    whatever layout it was saved at."""
+    from megatron.core import dist_checkpointing
+
+    if not Path(path).is_dir():
+        raise CheckpointError(f"{path}: no optimizer checkpoint there; resume from a checkpoint that has one "
+                              "or start a new run from its weights")
+    with _torch_adam_steps_in_state(optimizer):
+        sharded = _optimizer_sharded_state_dict(chunks, optimizer, is_loading=True)
+        optimizer.load_state_dict(dist_checkpointing.load(sharded, str(path)))
+
+
+@contextlib.contextmanager
+def _torch_adam_steps_in_state(optimizer):
+    """Work around megatron-core 0.16's distributed optimizer over torch's Adam (no TE/apex, as on
+    CPU), which keeps ``step`` in each parameter's state: the state dict it loads into reads that
+    step (an empty state before the first step fails), and loading a "fully_reshardable" state
+    copies every state key of a parameter though the loaded ones lack ``step`` (it is restored
+    apart, from the param groups): a KeyError; and it gives every parameter the same step tensor,
+    which torch's Adam then advances once per parameter. Here every parameter has a step before
+    the load, keeps the one it was given, and gets its own copy after it."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+               if isinstance(inner, DistributedOptimizer) and isinstance(inner.optimizer, torch.optim.Adam)]
+    for inner in patched:
+        inner.init_state_fn(inner.optimizer, inner.config)
+        for state in inner.optimizer.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+        def set_states(model_param, tensors, inner=inner, original=inner._set_main_param_and_optimizer_states):
+            step = inner._get_main_param_and_optimizer_states(model_param)["step"]
+            original(model_param, {"step": step, **tensors})
+
+        inner._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for inner in patched:
+            del inner._set_main_param_and_optimizer_states
+            for state in inner.optimizer.state.values():
+                state["step"] = state["step"].clone()

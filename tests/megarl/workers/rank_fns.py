@@ -125,3 +125,60 @@ def worker_mixed_precision_updates(hf_dir, layout_kwargs, dtype, batch, steps, l
                      if tensor is not None}
     worker.shutdown()
     return out
+
+
+def _actor_worker(hf_dir, layout_kwargs, lr):
+    """A MegatronWorker training a vanilla policy-gradient actor at a layout (seed 7)."""
+    from megarl.config.schema import OptimSettings
+    from megarl.workers.batch import MicroBatching
+    from megarl.workers.losses import LossSettings
+    from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
+    from parallel.layout import MegatronLayout
+
+    worker = MegatronWorker()
+    worker.setup(ModelSpec("actor", hf_dir, MegatronLayout(**layout_kwargs), MicroBatching(micro_batch_size=2),
+                           OptimSettings(lr=lr, weight_decay=0.0), total_optimizer_steps=4,
+                           loss=LossSettings(policy_loss="vanilla", loss_agg_mode="token-mean")), seed=7)
+    return worker
+
+
+def _step_and_look(worker, batch) -> dict:
+    """The actor's log-probs of ``batch`` (output ranks), one update on it, and the weights after
+    it under their HF names (rank 0)."""
+    from megarl.workers.batch import response_mask
+    from parallel.checkpoint.convert import gather_hf_tensors
+
+    mask = response_mask(batch)
+    counts = {"tokens": float(mask.sum()), "sequences": float((mask.sum(-1) > 0).sum())}
+    logp = worker.forward("actor", batch)
+    metrics = worker.update("actor", batch, counts)
+    model = worker.models["actor"]
+    weights = {name: t for name, t in gather_hf_tensors(model.chunks, model.hf_config, model.spec.layout)
+               if t is not None}
+    return {"logp": logp, "metrics": metrics, "weights": weights}
+
+
+def worker_save_and_continue(hf_dir, layout_kwargs, batch, directory, lr):
+    """An actor at a layout: one update, a checkpoint into ``directory``, then the next step as an
+    uninterrupted run takes it ("continued") and again after loading that checkpoint into the
+    same ranks ("resumed", a same-layout resume)."""
+    worker = _actor_worker(hf_dir, layout_kwargs, lr)
+    _step_and_look(worker, batch)
+    worker.save_checkpoint(directory)
+    continued = _step_and_look(worker, batch)
+    restored_rng = worker.load_checkpoint(directory)
+    resumed = _step_and_look(worker, batch)
+    worker.shutdown()
+    return {"continued": continued, "resumed": resumed, "restored_rng": restored_rng}
+
+
+def worker_resume_each(hf_dir, layout_kwargs, batch, directories, lr):
+    """An actor at a layout that resumes from each checkpoint of ``directories`` in turn and takes
+    the next step from it."""
+    worker = _actor_worker(hf_dir, layout_kwargs, lr)
+    out = []
+    for directory in directories:
+        restored_rng = worker.load_checkpoint(directory)
+        out.append(dict(_step_and_look(worker, batch), restored_rng=restored_rng))
+    worker.shutdown()
+    return out
