@@ -218,7 +218,7 @@ def test_layer_spec_attention_follows_core_attention_kind():
     from parallel.modules.sdpa_attention import SDPAttention
     from parallel.modules.shared_prefix import SharedPrefixAttention
 
-    config = types.SimpleNamespace(qk_layernorm=False)
+    config = types.SimpleNamespace(qk_layernorm=False, num_moe_experts=None)
     cases = [
         (MegatronLayout(), False, False, "sdpa", SDPAttention),
         (MegatronLayout(tp=2, pp=2), False, False, "sdpa", SDPAttention),
