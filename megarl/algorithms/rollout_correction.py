@@ -41,28 +41,31 @@ def truncated_is(*, log_ratio, response_mask, low, high):
     return log_ratio.clamp(max=_MAX_LOG_RATIO).exp().clamp(max=high)
 
 
-@register_rollout_correction("seq_tis")
-def sequence_truncated_is(*, log_ratio, response_mask, low, high):
-    return truncated_is(log_ratio=_sequence_log_ratio(log_ratio, response_mask), response_mask=response_mask,
-                        low=low, high=high)
-
-
 @register_rollout_correction("mis")
 def masked_is(*, log_ratio, response_mask, low, high):
     ratio = log_ratio.clamp(max=_MAX_LOG_RATIO).exp()
     return torch.where(ratio <= high, ratio, ratio.new_zeros(()))
 
 
-@register_rollout_correction("seq_mis")
-def sequence_masked_is(*, log_ratio, response_mask, low, high):
-    return masked_is(log_ratio=_sequence_log_ratio(log_ratio, response_mask), response_mask=response_mask,
-                     low=low, high=high)
-
-
 @register_rollout_correction("icepop")
 def icepop(*, log_ratio, response_mask, low, high):
     ratio = log_ratio.clamp(max=_MAX_LOG_RATIO).exp()
     return torch.where((ratio >= low) & (ratio <= high), ratio, ratio.new_zeros(()))
+
+
+def _per_sequence(token_level):
+    """The sequence-level form of a token-level correction: applied to each sequence's summed
+    log-ratio, the same weight on all its tokens."""
+
+    def correction(*, log_ratio, response_mask, low, high):
+        return token_level(log_ratio=_sequence_log_ratio(log_ratio, response_mask), response_mask=response_mask,
+                           low=low, high=high)
+
+    return correction
+
+
+register_rollout_correction("seq_tis")(_per_sequence(truncated_is))
+register_rollout_correction("seq_mis")(_per_sequence(masked_is))
 
 
 def rollout_correction_weights(method: str, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
