@@ -26,7 +26,16 @@ from typing import Mapping
 import torch
 
 from parallel.layout import MegatronLayout
-from parallel.reshard.shards import Box, LocalTensor, MegatronRank, box_intersection, box_volume, megatron_shards, sglang_shards
+from parallel.reshard.shards import (
+    Box,
+    LocalTensor,
+    MegatronRank,
+    box_intersection,
+    box_volume,
+    megatron_position,
+    megatron_shards,
+    sglang_shards,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +120,9 @@ def _translate(region: Box, piece_src: Box, piece_dst: Box) -> Box:
 
 
 def megatron_device_positions(layout: MegatronLayout, world_size: int) -> dict[int, MegatronRank]:
-    """Global rank -> (pp, tp) model position, for megatron's default order tp-cp-dp-pp."""
-    dp = layout.data_parallel_size(world_size)
-    positions = {}
-    for rank in range(world_size):
-        tp = rank % layout.tp
-        pp = rank // (layout.tp * layout.cp * dp)
-        positions[rank] = MegatronRank(pp=pp, tp=tp)
-    return positions
+    """Global rank -> model position (``parallel.reshard.shards.megatron_position``) of every rank."""
+    layout.data_parallel_size(world_size)  # refuses a world the layout does not divide
+    return {rank: megatron_position(rank, layout, world_size) for rank in range(world_size)}
 
 
 def colocated_engine_ranks(world_size: int, rollout_tp: int) -> dict[int, int]:
