@@ -46,6 +46,7 @@ from megarl.algorithms.policy_loss import (
     gspo_policy_loss,
     masked_entropy,
     ppo_policy_loss,
+    sft_loss,
     value_loss,
     vanilla_policy_loss,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "compute_remax_advantage", "compute_rloo_advantage", "discounted_returns", "group_stats",
     "implicit_process_rewards", "scores_to_token_rewards", "sequence_scores",
     "entropy_from_logits", "gspo_policy_loss", "masked_entropy", "ppo_policy_loss", "value_loss",
+    "sft_loss",
     "vanilla_policy_loss",
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "apply_kl_penalty",
     "kl_estimate", "kl_loss",

@@ -191,6 +191,24 @@ def vanilla_policy_loss(
     return loss, metrics
 
 
+@register_policy_loss("sft")
+def sft_loss(
+    *,
+    logp: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised fine-tuning (``megarl sft``): the negative log-likelihood of the masked tokens,
+    per token ``l = -logp`` (with token-mean: HF's masked cross-entropy). Advantages and old
+    log-probs are not used. Metric: ``nll``."""
+    m = _check(logp, response_mask)
+    loss = agg_loss(-_zero_pad(_fp32(logp), m), m, loss_agg_mode, max_len)
+    return loss, {"nll": loss.detach()}
+
+
 def value_loss(
     *,
     values: torch.Tensor,

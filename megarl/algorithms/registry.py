@@ -4,7 +4,7 @@ The controller picks an algorithm's pieces by name from the config (``algorithm.
 grpo``, ``actor.policy_loss: ppo``); the built-ins register themselves when
 ``megarl.algorithms`` is imported. Built-in advantage estimators: ``gae``, ``grpo``,
 ``drgrpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``,
-``prime``. Built-in policy losses: ``ppo``, ``gspo``, ``vanilla``.
+``prime``. Built-in policy losses: ``ppo``, ``gspo``, ``vanilla``, ``sft``.
 
 Registration declares what an entry takes and needs; callers pass exactly that, by keyword:
 

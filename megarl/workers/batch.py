@@ -9,7 +9,11 @@ A batch is a dict of tensors over ``B`` samples:
   default; ``without_last_tokens``), the rest of the sequence only serving as targets;
 - response-shaped ``[B, R]`` fields (``R`` = the longest response), aligned with response
   token ``j`` of each sample: ``advantages``, ``old_logp``, ``ref_logp``, ``rollout_logp``,
-  ``returns``, ``old_values`` (each optional, as the step needs).
+  ``returns``, ``old_values`` (each optional, as the step needs);
+- optionally ``loss_mask`` ``[B, R]``: 1 on the response tokens the model is trained on, 0 on
+  tokens it reads but did not produce (a multi-turn trajectory's tool outputs and user turns,
+  an SFT conversation's non-assistant tokens). Every loss, advantage, KL and metric sees it
+  through ``response_mask``; log-probs and values there are returned as 0.
 
 Every rank of a data-parallel replica gets the same rows; which rows a replica gets and how they
 form micro-batches is a pure function of the batch and the layout, so every rank computes it
@@ -61,9 +65,10 @@ def _following(batch: dict, row: int, start: int, count: int) -> torch.Tensor:
 
 
 def response_mask(batch: dict) -> torch.Tensor:
-    """``[B, R]`` float mask of real response tokens."""
+    """``[B, R]`` float mask of the response tokens trained on: real ones, times ``loss_mask``."""
     width = int(batch["response_lengths"].max()) if len(batch["response_lengths"]) else 0
-    return (torch.arange(width).unsqueeze(0) < batch["response_lengths"].unsqueeze(1)).float()
+    mask = (torch.arange(width).unsqueeze(0) < batch["response_lengths"].unsqueeze(1)).float()
+    return mask * batch["loss_mask"][:, :width].float() if "loss_mask" in batch else mask
 
 
 def data_parallel_rows(batch: dict, dp_size: int, batching: MicroBatching) -> list[list[list[int]]]:
@@ -112,7 +117,7 @@ def _response_rows(batch: dict, rows: list[int], num_rows: int, starts: list[int
         prompt, response = int(batch["prompt_lengths"][row]), int(batch["response_lengths"][row])
         # Response token j sits at position prompt + j; the logits that predict it at prompt + j - 1.
         gather[slot, :response] = torch.arange(start + prompt - 1, start + prompt - 1 + response)
-        mask[slot, :response] = 1.0
+        mask[slot, :response] = batch["loss_mask"][row, :response].float() if "loss_mask" in batch else 1.0
         for key, value in fields.items():
             value[slot] = batch[key][row, :width].float()
     return {"gather_index": gather, "response_mask": mask, **fields}

@@ -21,7 +21,7 @@ class LossSettings:
 
     policy_loss: str = "ppo"
     loss_agg_mode: str = "token-mean"
-    max_len: int | None = None  # constant L of seq-mean-token-sum-norm (rollout.max_new_tokens)
+    max_len: int | None = None  # constant L of seq-mean-token-sum-norm (RunConfig.max_response_length)
     clip_ratio_low: float = 0.2
     clip_ratio_high: float | None = None
     clip_ratio_c: float | None = None
@@ -51,7 +51,7 @@ def actor_loss(settings: LossSettings, mb: dict, outputs: dict) -> tuple[torch.T
     logp = outputs["logp"]
     old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
     loss, stats = policy_loss_spec(settings.policy_loss)(
-        logp=logp, old_logp=old_logp, advantages=mb["advantages"], response_mask=mask,
+        logp=logp, old_logp=old_logp, advantages=mb.get("advantages"), response_mask=mask,
         loss_agg_mode=settings.loss_agg_mode, max_len=settings.max_len,
         clip_low=settings.clip_ratio_low, clip_high=settings.clip_ratio_high, clip_ratio_c=settings.clip_ratio_c)
     stats = {key: value.detach() for key, value in stats.items()}

@@ -185,6 +185,17 @@ def test_vanilla_loss_and_gradient():
     assert metrics["approx_kl"].item() == 0.0
 
 
+def test_sft_loss_is_masked_negative_log_likelihood():
+    logp = leaf([[-1.0, -2.0, float("nan")], [-0.5, -0.1, -3.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    loss, metrics = get_policy_loss("sft")(logp=logp, old_logp=None, advantages=None, response_mask=mask,
+                                           loss_agg_mode="token-mean", max_len=None)
+    assert loss.item() == pytest.approx((1.0 + 0.5 + 0.1 + 3.0) / 4)
+    assert metrics["nll"].item() == loss.item()
+    (g,) = torch.autograd.grad(loss, logp)
+    assert torch.equal(g, -mask.to(F64) / 4)
+
+
 # ----------------------------------------------------------------------------- value loss
 
 

@@ -35,7 +35,7 @@ def test_unknown_name_lists_registered_names():
     builtins = ["gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "prime"]
     for name in builtins:
         assert repr(name) in str(e.value)
-    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo2'.*'gspo', 'ppo', 'vanilla'"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo2'.*'gspo', 'ppo', 'sft', 'vanilla'"):
         alg.get_policy_loss("ppo2")
 
 

@@ -182,3 +182,23 @@ def worker_resume_each(hf_dir, layout_kwargs, batch, directories, lr):
         out.append(dict(_step_and_look(worker, batch), restored_rng=restored_rng))
     worker.shutdown()
     return out
+
+
+def worker_sft_step(hf_dir, layout_kwargs, batch, micro_batch_size, batching=None):
+    """One ``sft`` update of a MegatronWorker's actor at a layout on ``batch`` (with a
+    ``loss_mask``): its metrics (the masked NLL before the step, the gradient norm)."""
+    from megarl.config.schema import OptimSettings
+    from megarl.workers.batch import MicroBatching, response_mask
+    from megarl.workers.losses import LossSettings
+    from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
+    from parallel.layout import MegatronLayout
+
+    worker = MegatronWorker()
+    batching = MicroBatching(micro_batch_size=micro_batch_size, **(batching or {}))
+    worker.setup(ModelSpec("actor", hf_dir, MegatronLayout(**layout_kwargs), batching,
+                           OptimSettings(lr=1e-3, weight_decay=0.0, clip_grad=0.0), total_optimizer_steps=1,
+                           loss=LossSettings(policy_loss="sft")), seed=7)
+    mask = response_mask(batch)
+    metrics = worker.update("actor", batch, {"tokens": float(mask.sum()), "sequences": float((mask.sum(-1) > 0).sum())})
+    worker.shutdown()
+    return metrics

@@ -16,7 +16,8 @@ RESPONSES = [[20, 21, 22, 23], [24], [25, 26, 27], [28, 29]]
 
 def rollout_batch(vocab_size: int) -> dict:
     """Eight samples (each prompt twice in a row, the second time with a shorter response, as a
-    rollout with n=2 orders them), right-padded."""
+    rollout with n=2 orders them), right-padded; the loss mask leaves out the second token of
+    the longer responses (a tool output inside a multi-turn trajectory)."""
     prompts = [p for p in PROMPTS for _ in range(2)]
     responses = [r for full in RESPONSES for r in (full, full[:1])]
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
@@ -30,6 +31,7 @@ def rollout_batch(vocab_size: int) -> dict:
         "prompt_lengths": torch.tensor([len(p) for p in prompts]),
         "response_lengths": torch.tensor([len(r) for r in responses]),
         "advantages": torch.randn(len(prompts), longest, generator=generator),
+        "loss_mask": torch.tensor([[0.0 if j == 1 and len(r) >= 3 else 1.0 for j in range(longest)] for r in responses]),
     }
 
 
@@ -132,7 +134,7 @@ def test_reward_model_scores_equal_hf_sequence_classifier(tmp_path, layout, batc
     from transformers import AutoModelForSequenceClassification
 
     rm_dir = save_tiny_hf_model("tiny-qwen2-untied", tmp_path / "rm", seed=4, reward_model=True, pad_token_id=0)
-    batch = rollout_batch(200)
+    batch = {k: v for k, v in rollout_batch(200).items() if k != "loss_mask"}  # values at every token
     per_rank = run_on_ranks(worker_reward_values, 2, rm_dir, layout, batch, 2, batching, timeout_s=240)
     values = _collect(per_rank, "scores", len(batch["input_ids"]))["values"]
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
