@@ -123,6 +123,7 @@ def trl_side(args: argparse.Namespace) -> None:
     from trl.extras.profiling import ProfilingContext
 
     from megarl.rewards.arithmetic import compute_score, make_arith_problems
+    from model_specs.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
     total = args.warmup + args.steps
@@ -156,7 +157,7 @@ def trl_side(args: argparse.Namespace) -> None:
     problems = make_arith_problems(PROMPTS_PER_STEP * total, seed=args.seed)
     dataset = datasets.Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
+    tokenizer = load_tokenizer(args.model_dir)
     config = trl.GRPOConfig(
         output_dir=str(Path(args.workdir) / "trl-output"), use_cpu=True, bf16=False, gradient_checkpointing=False,
         per_device_train_batch_size=args.micro_batch,

@@ -105,6 +105,8 @@ class PromptDataset(Sequence[PromptSample]):
             ``{system}`` the system message's ("" if none). Tokenised with special tokens
             (BOS). Required when the tokenizer has no chat template.
         chat_template: a Jinja chat template that replaces the tokenizer's own.
+        tools: tool schemas (OpenAI function format) passed to the chat template, so an agent's
+            prompt lists the tools it may call; ignored by ``prompt_template``.
         max_prompt_length: prompts with more tokens are dropped (and counted); None keeps all.
     """
 
@@ -120,6 +122,7 @@ class PromptDataset(Sequence[PromptSample]):
         extra_info_key: str | None = "extra_info",
         prompt_template: str | None = None,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
         max_prompt_length: int | None = None,
     ):
         files = [files] if isinstance(files, (str, Path)) else list(files)
@@ -130,6 +133,7 @@ class PromptDataset(Sequence[PromptSample]):
         self.tokenizer = tokenizer
         self.prompt_template = prompt_template
         self.chat_template = chat_template
+        self.tools = tools
         self.max_prompt_length = max_prompt_length
         self._use_chat_template = self._check_template()
         missing = [str(f) for f in files if not Path(f).is_file()]
@@ -200,7 +204,7 @@ class PromptDataset(Sequence[PromptSample]):
         messages = _check_messages(prompt, origin, prompt_key)
         if self._use_chat_template:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=self.chat_template
+                messages, tokenize=False, add_generation_prompt=True, chat_template=self.chat_template, tools=self.tools
             )
         if isinstance(prompt, str):
             user, system = prompt, ""
@@ -284,13 +288,16 @@ def collate_prompts(samples: Sequence[PromptSample], pad_token_id: int) -> dict:
 
 
 class PromptLoader:
-    """Batches of a ``PromptDataset``, shuffled per epoch from ``(seed, epoch)``, resumable.
+    """Batches of a ``PromptDataset`` (or any dataset), shuffled per epoch from ``(seed, epoch)``, resumable.
 
     ``next_batch()`` returns the next batch and moves to the next epoch after the last one;
     ``for batch in loader`` yields the rest of the current epoch. The position always names
     the next batch to produce, so ``state_dict()`` taken after batch k restores to batch k+1.
     With ``drop_last`` (default) every batch has exactly ``batch_size`` prompts and the last
     ``len(dataset) % batch_size`` of each epoch's order are skipped.
+
+    Batches are ``collate_fn(samples)``, by default ``collate_prompts`` (``megarl.data.chat.
+    collate_chat`` for a ``ChatDataset``).
     """
 
     def __init__(

@@ -23,3 +23,18 @@ def test_saved_tokenizer_decodes_the_same_and_drops_eos(tmp_path):
     for text in TEXTS:
         assert tok.decode(tok.encode(text)) == text
     assert tok.decode(tok.encode("57") + [EOS_ID], skip_special_tokens=True) == "57"
+
+
+def test_saved_next_to_a_model_it_loads_as_saved(tmp_path, tiny_hf_model):
+    """Next to a Qwen2 config.json, ``load_tokenizer`` gives the character tokenizer back (spaces
+    and newlines included: the model type's byte-level class would drop them)."""
+    import shutil
+
+    from model_specs.tokenizer import char_tokenizer, load_tokenizer
+
+    shutil.copy(f"{tiny_hf_model('tiny-qwen2')}/config.json", tmp_path / "config.json")
+    tok = load_tokenizer(save_char_tokenizer(tmp_path))
+    text = "<user>3 + 4 =\n\n<assistant>7\n"
+    assert tok.encode(text, add_special_tokens=False) == char_tokenizer().encode(text, add_special_tokens=False)
+    assert len(tok.encode(text, add_special_tokens=False)) == len(text)
+    assert tok.apply_chat_template([{"role": "user", "content": "a b"}], tokenize=False) == "<user>a b\n"
