@@ -57,34 +57,50 @@ EXIT_STOPPED = 143  # `megarl train` stopped by SIGTERM before its last step (12
 def _train(args: argparse.Namespace) -> int:
     """Run PPO/GRPO as configured: validate everything first, then Ray, workers, engines, steps.
     Exit status: 0 done, 2 bad config or run error, 143 stopped by SIGTERM with a checkpoint saved."""
+    return _run_trainer(args, "train")
+
+
+def _sft(args: argparse.Namespace) -> int:
+    """Supervised fine-tuning on chat conversations (loss on assistant tokens), with the same
+    layouts, checkpoints, resume and export as train. Exit status as for train."""
+    return _run_trainer(args, "sft")
+
+
+def _run_trainer(args: argparse.Namespace, command: str) -> int:
     from megarl.config import ConfigError, load_config, save_resolved
 
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, mode="sft" if command == "sft" else "rl")
     except ConfigError as error:
         for line in error.problems:
-            print(f"megarl train: config error: {line}", file=sys.stderr)
+            print(f"megarl {command}: config error: {line}", file=sys.stderr)
         return 2
+    from megarl.sft import SFTTrainer
     from megarl.trainer import RunError, Trainer
 
     save_resolved(config, config.trainer.output_dir)
     trainer = None
     try:
-        trainer = Trainer(config)
+        try:
+            trainer = (SFTTrainer if command == "sft" else Trainer)(config)
+        except ValueError as error:  # the data (a bad row, a chat template): named in the message
+            raise RunError(str(error)) from error
         history = trainer.fit()
         if trainer.step >= config.trainer.total_steps and not args.no_export:
-            print(f"megarl train: exported the actor to {trainer.export_hf()}", flush=True)
+            print(f"megarl {command}: exported the actor to {trainer.export_hf()}", flush=True)
     except RunError as error:
-        print(f"megarl train: {error}", file=sys.stderr)
+        print(f"megarl {command}: {error}", file=sys.stderr)
         return 2
     finally:
         if trainer is not None:
             trainer.close()
+    key, name = trainer.HEADLINE
     if len(history) >= 2:
-        first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
-        print(f"megarl train: reward {first:.3f} (step {history[0]['step']}) -> {last:.3f} (step {history[-1]['step']})")
+        first, last = history[0][key], history[-1][key]
+        print(f"megarl {command}: {name} {first:.3f} (step {history[0]['step']}) -> {last:.3f} "
+              f"(step {history[-1]['step']})")
     if trainer.step < config.trainer.total_steps:  # stopped by SIGTERM after saving: resume to finish
-        print(f"megarl train: stopped at step {trainer.step}/{config.trainer.total_steps} (checkpoint saved); "
+        print(f"megarl {command}: stopped at step {trainer.step}/{config.trainer.total_steps} (checkpoint saved); "
               f"run the same command again to resume", file=sys.stderr)
         return EXIT_STOPPED
     return 0
@@ -315,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=5")
     train.add_argument("--no-export", action="store_true", help="do not write the final actor as HF")
     train.set_defaults(func=_train, trailing_positionals="overrides")
+
+    sft = sub.add_parser("sft", help=_sft.__doc__, description=_sft.__doc__)
+    sft.add_argument("config", help="run config YAML (e.g. configs/sft_chat_arith.yaml)")
+    sft.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=5")
+    sft.add_argument("--no-export", action="store_true", help="do not write the final model as HF")
+    sft.set_defaults(func=_sft, trailing_positionals="overrides")
 
     convert = sub.add_parser("convert", help=_convert.__doc__, description=_convert.__doc__ + (
         " Runs lcm(tp, ep*etp)*pp local ranks, or one rank per process under torchrun/srun (WORLD_SIZE/RANK set). "

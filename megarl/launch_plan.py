@@ -142,7 +142,7 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
     dtype = cfg.model.dtype
     layer_spec = default_layer_spec(hf)  # what a build on this machine uses: TE where it imports
     budget = int(gpu_memory_gib * GiB)
-    seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    seq = cfg.data.max_prompt_length + cfg.max_response_length
     roles: list[RolePlan] = []
     problems: list[str] = []
     warnings: list[str] = []
@@ -258,7 +258,7 @@ def format_plan(plan: LaunchPlan) -> str:
            f"vocab {shape.vocab}",
            f"cluster: {c.nodes} nodes x {c.ranks_per_node} {unit} = {c.world_size} ranks; pools: "
            + ", ".join(f"{k}={v}" for k, v in c.pool_sizes().items()),
-           f"sequence: {cfg.data.max_prompt_length} prompt + {cfg.rollout.max_new_tokens} response tokens; "
+           f"sequence: {cfg.data.max_prompt_length} prompt + {cfg.max_response_length} response tokens; "
            f"{cfg.data.batch_size} prompts x {cfg.rollout.n} samples per step",
            "", "layout:"]
     for r in plan.roles:

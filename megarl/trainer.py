@@ -59,9 +59,9 @@ def materialize_model(cfg: RunConfig) -> str:
 
 
 def load_tokenizer(cfg: RunConfig, model_dir: str):
-    from transformers import AutoTokenizer
+    from model_specs.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+    return load_tokenizer(cfg.model.tokenizer or model_dir)
 
 
 def config_fingerprint(cfg: RunConfig) -> dict:
@@ -154,6 +154,8 @@ def not_yet_supported(cfg: RunConfig) -> list[str]:
 class Trainer:
     """Builds the workers of ``cfg`` (validated) and runs ``trainer.total_steps`` RL steps."""
 
+    HEADLINE = ("reward/mean", "reward")  # the metric the console line summarises
+
     def __init__(self, cfg: RunConfig, log=print):
         problems = not_yet_supported(cfg)
         if problems:
@@ -176,11 +178,20 @@ class Trainer:
         from megarl.rewards.dispatch import RewardRunner
 
         d = self.cfg.data
+        m = self.cfg.rollout.multi_turn
+        self.agent = None
+        if m.enabled:  # multi-turn rollouts with tools: the prompts show the tools' schemas
+            from megarl.agent import AgentLoop, AgentSettings, ToolLimits, ToolRegistry
+
+            limits = ToolLimits(timeout_s=m.tool_timeout_s, memory_mb=m.tool_memory_mb, cpu_s=m.tool_timeout_s,
+                                max_output_chars=m.tool_max_output_chars)
+            self.agent = AgentLoop(self.tokenizer, ToolRegistry.from_names(m.tools, limits),
+                                   AgentSettings(m.max_turns, m.max_total_tokens, m.tool_format, d.chat_template))
         dataset = PromptDataset(d.train_files, self.tokenizer, prompt_key=d.prompt_key,
                                 ground_truth_key=d.ground_truth_key, data_source_key=d.data_source_key,
                                 default_data_source=d.default_data_source, extra_info_key=d.extra_info_key,
                                 prompt_template=d.prompt_template, chat_template=d.chat_template,
-                                max_prompt_length=d.max_prompt_length)
+                                max_prompt_length=d.max_prompt_length, tools=self.agent.schemas if self.agent else None)
         self.loader = PromptLoader(dataset, d.batch_size, seed=d.seed, shuffle=d.shuffle)
         r = self.cfg.reward
         self.rewards = RewardRunner(r.functions, r.default, r.timeout_s, r.backend, r.num_workers)
@@ -191,12 +202,10 @@ class Trainer:
     def _start_workers(self) -> None:
         import ray
 
-        from megarl.rollout.engine_worker import RolloutWorker
         from megarl.workers.megatron_worker import MegatronWorker
         from parallel.checkpoint.hf_io import HFCheckpoint
 
         cfg = self.cfg
-        world = cfg.world_size_for("actor")
         gpu = cfg.cluster.device == "gpu"
         cpus = len(os.sched_getaffinity(0))  # what this process may use (Slurm/cgroup/taskset), not the host's count
         on_cluster = bool(os.environ.get("RAY_ADDRESS"))
@@ -221,7 +230,26 @@ class Trainer:
                 rank, size, address, port, threads, group=pool) for rank in range(size)]
         self.role_workers = {role: self.groups[cfg.pool_for(role)] for role in cfg.megatron_roles}
         self.workers = self.role_workers["actor"]
-        self._setup_models()
+        built = ray.get([w.setup.remote(spec, cfg.trainer.seed) for spec in self.model_specs()
+                         for w in self.role_workers[spec.role]])
+        self.actor_layer_spec = built[0]["layer_spec"]  # model_specs()[0] is the actor's
+        self.hf_config = HFCheckpoint(self.model_dir).config
+        pools = "; ".join(f"pool {pool!r}: {len(self.groups[pool])} rank(s) of {'+'.join(roles)} "
+                          f"(layout {cfg.layout_for(roles[0])})" for pool, roles in worker_groups(cfg).items())
+        threading = "" if gpu else f" ({threads} CPU thread(s) per rank)"
+        self.log(f"megarl: Megatron {pools}{threading}; model {self.model_dir}")
+        self._start_engines(threads)
+
+    def _start_engines(self, threads: int | None) -> None:
+        """One SGLang engine per ``rollout.tp`` ranks (colocated or on the rollout's pool), and the
+        resharding plans of the weight sync into them; ``threads``: CPU threads per rank."""
+        import ray
+
+        from megarl.rollout.engine_worker import RolloutWorker
+
+        cfg = self.cfg
+        world = cfg.world_size_for("actor")
+        gpu = cfg.cluster.device == "gpu"
         r = cfg.rollout
         engine_kwargs: dict[str, Any] = {"random_seed": cfg.trainer.seed}
         if gpu:
@@ -244,21 +272,15 @@ class Trainer:
             pg = self.placements[cfg.actor.pool]
             self.engines = [engine_cls.options(**_in_bundle(pg, e * r.tp)).remote(*engine_args)
                             for e in range(num_engines)]
-        self.hf_config = HFCheckpoint(self.model_dir).config
         self.sync_rounds = weight_sync_rounds(cfg, self.hf_config, self.actor_layer_spec)
         self._call_engines("generate", [[1]], [{"max_new_tokens": 1}], None)  # the engines are up
         where = (f"on their own pool {r.pool!r}" if r.placement == "separate" else "colocated")
-        pools = "; ".join(f"pool {pool!r}: {len(self.groups[pool])} rank(s) of {'+'.join(roles)} "
-                          f"(layout {cfg.layout_for(roles[0])})" for pool, roles in worker_groups(cfg).items())
         rows = ("one per prompt, its samples as branches (shared prompts)" if cfg.shared_prompt_rows
                 else "one packed row per micro-batch" if cfg.actor.sequence_packing else "one per sample")
-        threading = "" if gpu else f" ({threads} CPU thread(s) per rank)"
-        self.log(f"megarl: Megatron {pools}; {num_engines} SGLang engine(s) of TP={r.tp} {where}{threading}; "
-                 f"model {self.model_dir}; rows: {rows}")
+        self.log(f"megarl: {num_engines} SGLang engine(s) of TP={r.tp} {where}; rows: {rows}")
 
-    def _setup_models(self) -> None:
-        import ray
-
+    def model_specs(self) -> list:
+        """The ``ModelSpec`` of every Megatron model the run builds, the actor's first."""
         from megarl.workers.batch import MicroBatching
         from megarl.workers.losses import LossSettings
         from megarl.workers.megatron_worker import ModelSpec
@@ -269,7 +291,7 @@ class Trainer:
         steps_per_rl_step = a.ppo_epochs * self._minibatches_per_step(a.mini_batch_size)
         kl, correction = a.kl_loss, cfg.algorithm.rollout_correction
         actor_loss = LossSettings(policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
-                                  max_len=cfg.rollout.max_new_tokens, clip_ratio_low=a.clip_ratio_low,
+                                  max_len=cfg.max_response_length, clip_ratio_low=a.clip_ratio_low,
                                   clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                                   entropy_coef=a.entropy_coef, kl_coef=kl.coef if kl.enabled else 0.0,
                                   kl_estimator=kl.estimator, kl_clamp=kl.clamp,
@@ -288,14 +310,13 @@ class Trainer:
                                    MicroBatching(c.micro_batch_size, c.max_tokens_per_micro_batch, packed, shared), c.optim,
                                    cfg.trainer.total_steps * c.ppo_epochs * self._minibatches_per_step(c.mini_batch_size),
                                    LossSettings(loss_agg_mode=c.loss_agg_mode, value_clip=c.value_clip,
-                                                max_len=cfg.rollout.max_new_tokens), cfg.model.dtype))
+                                                max_len=cfg.max_response_length), cfg.model.dtype))
         if cfg.reward_model.enabled:
             rm = cfg.reward_model
             specs.append(ModelSpec("reward_model", rm.model_path, cfg.layout_for("reward_model").to_megatron(),
                                    MicroBatching(rm.micro_batch_size, packed=packed, shared_prompts=shared),
                                    dtype=cfg.model.dtype))
-        built = ray.get([w.setup.remote(spec, cfg.trainer.seed) for spec in specs for w in self.role_workers[spec.role]])
-        self.actor_layer_spec = built[0]["layer_spec"]  # specs[0] is the actor's
+        return specs
 
     def _minibatches_per_step(self, mini_batch_size: int | None) -> int:
         return max(1, self.cfg.data.batch_size // (mini_batch_size or self.cfg.data.batch_size))
@@ -340,38 +361,54 @@ class Trainer:
     # ------------------------------------------------------------------ the dataflow pieces
 
     def generate(self, prompts: dict) -> dict:
-        """``rollout.n`` samples of every prompt from the engines: the training batch."""
-        r = self.cfg.rollout
-        n = r.n
-        prompt_ids = [ids for ids in prompts["prompt_ids"] for _ in range(n)]
-        stop = list(r.stop_token_ids)
-        params = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                  "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
-        if stop:
-            params["stop_token_ids"] = stop
+        """``rollout.n`` samples of every prompt from the engines (multi-turn trajectories with tool
+        calls when ``rollout.multi_turn.enabled``): the training batch."""
         import ray
 
         from megarl.rollout.engine_worker import engine_shares
 
+        r = self.cfg.rollout
+        n = r.n
+        prompt_ids = [ids for ids in prompts["prompt_ids"] for _ in range(n)]
+        params = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                  "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
+        if r.stop_token_ids:
+            params["stop_token_ids"] = list(r.stop_token_ids)
         shares = engine_shares(len(prompt_ids), len(self.engines))
-
         seed = self.cfg.trainer.seed * 100_003 + self.step
-        refs = [engine.generate.remote([prompt_ids[i] for i in share], [params] * len(share), seed + e)
-                for e, (engine, share) in enumerate(zip(self.engines, shares))]
-        outputs: list[dict] = [None] * len(prompt_ids)
-        for share, results in zip(shares, ray.get(refs)):
-            for i, out in zip(share, results):
-                outputs[i] = out
-        responses = [out["output_ids"][: r.max_new_tokens] for out in outputs]
+        extra: dict[str, list] = {}
+        if self.agent is None:
+            refs = [engine.generate.remote([prompt_ids[i] for i in share], [params] * len(share), seed + e)
+                    for e, (engine, share) in enumerate(zip(self.engines, shares))]
+            outputs: list[dict] = [None] * len(prompt_ids)
+            for share, results in zip(shares, ray.get(refs)):
+                for i, out in zip(share, results):
+                    outputs[i] = out
+            responses = [out["output_ids"][: r.max_new_tokens] for out in outputs]
+            logprobs = [out["output_logprobs"][: len(resp)] for out, resp in zip(outputs, responses)]
+            masks = None
+        else:
+            from megarl.agent import trajectory_metrics
+
+            trajectories = self.agent.run(self._engine_turns(seed), prompt_ids,
+                                          [e for e, share in enumerate(shares) for _ in share], len(self.engines), params)
+            responses = [t.response_ids for t in trajectories]
+            logprobs = [t.logprobs for t in trajectories]
+            masks = [t.loss_mask for t in trajectories]
+            extra = {"tool_calls": [t.tool_calls for t in trajectories], "finish": [t.finish for t in trajectories]}
+            self.trajectory_metrics = trajectory_metrics(trajectories, self.agent.tools.take_counts())
         lengths = [len(p) + max(len(resp), 1) for p, resp in zip(prompt_ids, responses)]
         ids = torch.zeros(len(prompt_ids), max(lengths), dtype=torch.long)
         width = max(max(len(resp) for resp in responses), 1)
         rollout_logp = torch.zeros(len(prompt_ids), width)
-        for i, (p, resp, out) in enumerate(zip(prompt_ids, responses, outputs)):
+        loss_mask = torch.zeros(len(prompt_ids), width)
+        for i, (p, resp, logp) in enumerate(zip(prompt_ids, responses, logprobs)):
             ids[i, : len(p) + len(resp)] = torch.tensor(p + resp, dtype=torch.long)
-            rollout_logp[i, : len(resp)] = torch.tensor(out["output_logprobs"][: len(resp)], dtype=torch.float32)
+            rollout_logp[i, : len(resp)] = torch.tensor(logp, dtype=torch.float32)
+            if masks is not None:
+                loss_mask[i, : len(resp)] = torch.tensor(masks[i], dtype=torch.float32)
         repeat = lambda values: [v for v in values for _ in range(n)]  # noqa: E731
-        return {
+        batch = {
             "input_ids": ids,
             "prompt_lengths": torch.tensor([len(p) for p in prompt_ids]),
             "response_lengths": torch.tensor([len(resp) for resp in responses]),
@@ -381,7 +418,27 @@ class Trainer:
             "data_source": repeat(prompts["data_source"]),
             "ground_truth": repeat(prompts["ground_truth"]),
             "extra_info": repeat(prompts["extra_info"]),
+            **extra,
         }
+        if masks is not None:
+            batch["loss_mask"] = loss_mask
+        return batch
+
+    def _engine_turns(self, seed: int):
+        """The agent loop's ``generate``: every engine's requests of one turn at once; sampling is
+        re-seeded on the first turn only, so later turns find the earlier ones in the engines'
+        prefix caches (each trajectory stays on its engine)."""
+        import ray
+
+        first = [True]
+
+        def generate(inputs: list[list[list[int]]], params: list[list[dict]]) -> list[list[dict]]:
+            refs = [engine.generate.remote(inputs[e], params[e], seed + e if first[0] else None) if inputs[e] else None
+                    for e, engine in enumerate(self.engines)]
+            first[0] = False
+            return [ray.get(ref) if ref is not None else [] for ref in refs]
+
+        return generate
 
     def score(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """One score per sample: the reward model's output at the sample's last token when
@@ -492,11 +549,12 @@ class Trainer:
         cfg = self.cfg
         self._maybe_resume()
         history = []
-        logger = MetricsLogger(self.out, cfg.trainer.loggers, total_steps=cfg.trainer.total_steps)
+        logger = MetricsLogger(self.out, cfg.trainer.loggers, total_steps=cfg.trainer.total_steps,
+                               headline=self.HEADLINE)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             while self.step < cfg.trainer.total_steps:
-                metrics = rl_step(self)
+                metrics = self.train_step()
                 self.step += 1
                 metrics["step"] = self.step
                 history.append(metrics)
@@ -513,13 +571,18 @@ class Trainer:
             logger.close()
         return history
 
+    def train_step(self) -> dict[str, float]:
+        """One step of the algorithm (``rl_step``); its metrics."""
+        return rl_step(self)
+
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True
         self.log("megarl: SIGTERM received: finishing this step, then saving a checkpoint")
 
     def save_rollouts(self, batch: dict, scores: torch.Tensor, step: int) -> Path:
         """This step's samples as ``rollouts/step_<k>.jsonl``: one line per sample with its prompt
-        and response token ids, the response text, its score and advantage at the first token."""
+        and response token ids, the response text, its score and advantage at the first token (and
+        for multi-turn trajectories the loss mask, the tool calls and how it ended)."""
         from parallel.checkpoint.atomic import atomic_file
 
         target = self.out / "rollouts" / f"step_{step:06d}.jsonl"
@@ -527,9 +590,12 @@ class Trainer:
         for i, text in enumerate(batch["responses"]):
             prompt, response = int(batch["prompt_lengths"][i]), int(batch["response_lengths"][i])
             ids = batch["input_ids"][i].tolist()
-            lines.append(json.dumps({"uid": batch["uid"][i], "prompt_ids": ids[:prompt],
-                                     "response_ids": ids[prompt:prompt + response], "response": text,
-                                     "score": float(scores[i]), "advantage": float(batch["advantages"][i, 0])}))
+            line = {"uid": batch["uid"][i], "prompt_ids": ids[:prompt], "response_ids": ids[prompt:prompt + response],
+                    "response": text, "score": float(scores[i]), "advantage": float(batch["advantages"][i, 0])}
+            if "tool_calls" in batch:  # multi-turn: which response tokens the policy wrote, its tool calls
+                line.update(loss_mask=batch["loss_mask"][i, :response].int().tolist(),
+                            tool_calls=batch["tool_calls"][i], finish=batch["finish"][i])
+            lines.append(json.dumps(line))
         with atomic_file(target) as partial:
             partial.write_text("\n".join(lines) + "\n")
         return target
@@ -552,13 +618,20 @@ class Trainer:
             return target
         with atomic_directory(target, partial=partial_dir(target)) as partial:
             self._call_workers("save_checkpoint", str(partial))
-            state = {"step": self.step, "data": self.loader.state_dict(),
-                     "kl_controller": self.kl_controller.state_dict(), "fingerprint": config_fingerprint(self.cfg)}
+            state = {"step": self.step, "fingerprint": config_fingerprint(self.cfg), **self.run_state()}
             (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
         for old in self.checkpoints()[: -self.cfg.trainer.keep_last or None]:
             shutil.rmtree(old, ignore_errors=True)
         self.log(f"megarl: saved {target}")
         return target
+
+    def run_state(self) -> dict:
+        """What a checkpoint keeps beside the models: the data position and the KL controller."""
+        return {"data": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict()}
+
+    def load_run_state(self, state: dict) -> None:
+        self.loader.load_state_dict(state["data"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.trainer.resume
@@ -577,8 +650,7 @@ class Trainer:
         if changed:
             rng = "" if rng_restored else ", and RNG states (re-seeded from (seed, optimizer steps, rank))"
             self.log(f"megarl: elastic resume from {path}: {changed}. {ELASTIC_NOTE}{rng}")
-        self.loader.load_state_dict(state["data"])
-        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.load_run_state(state)
         self.step = state["step"]
         self.sync_weights()
         self.log(f"megarl: resumed from {path} (step {self.step})")
@@ -601,7 +673,8 @@ class Trainer:
                 ray.get(engine.shutdown.remote(), timeout=60)
             except Exception:  # noqa: BLE001 - best effort, then the process is killed
                 pass
-        self.rewards.close()
+        if hasattr(self, "rewards"):
+            self.rewards.close()
         if ray.is_initialized():
             ray.shutdown()
 
@@ -723,6 +796,8 @@ def rl_step(t: Trainer) -> dict[str, float]:
 
 def _finish_metrics(t: Trainer, batch: dict, scores, reward_stats, metrics: dict, start: float) -> None:
     _common_metrics(batch, scores, reward_stats, metrics)
+    if t.agent is not None:
+        metrics.update(t.trajectory_metrics)
     elapsed = time.perf_counter() - start
     tokens = float((batch["prompt_lengths"] + batch["response_lengths"]).sum())
     metrics.update({"time/step_s": elapsed, "throughput/samples_per_s": len(scores) / elapsed,

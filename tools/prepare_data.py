@@ -4,6 +4,7 @@
     python tools/prepare_data.py gsm8k --input train.jsonl --output data/gsm8k/train.parquet
     python tools/prepare_data.py math --input a.jsonl b.jsonl --output data/math/train.parquet --split train
     python tools/prepare_data.py synthetic-arith --output data/arith/train.parquet --num 2000 --seed 0
+    python tools/prepare_data.py synthetic-chat --output data/chat_arith/train.jsonl --num 2000 --turns 2
 
 Argument handling only; the conversion is megarl.data.prepare.
 """
@@ -43,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-answer", type=int, default=0)
     p.add_argument("--max-answer", type=int, default=9, help="negative: no upper bound (default 9: one digit)")
     p.add_argument("--partial-credit-scale", type=float, default=None, help="dense reward 1-|pred-target|/scale")
+    p = sub.add_parser("synthetic-chat", help="arithmetic conversations for `megarl sft` (messages: question, answer, ...)")
+    p.add_argument("--output", required=True, help="output .parquet or .jsonl")
+    p.add_argument("--num", type=int, default=1000, help="number of conversations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--turns", type=int, default=2, help="question/answer pairs per conversation")
     return parser
 
 
@@ -63,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_answer=None if args.max_answer < 0 else args.max_answer,
             )
             skipped = 0
+        elif args.mode == "synthetic-chat":
+            written, skipped = prepare.write_synthetic_chat(args.output, args.num, seed=args.seed, turns=args.turns), 0
         else:
             written, skipped = prepare.convert_files(
                 args.input, args.output, args.mode, split=args.split,
@@ -71,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {written} prompts to {args.output}" + (f" ({skipped} invalid rows skipped)" if skipped else ""))
+    what = "conversations" if args.mode == "synthetic-chat" else "prompts"
+    print(f"wrote {written} {what} to {args.output}" + (f" ({skipped} invalid rows skipped)" if skipped else ""))
     return 0
 
 

@@ -48,21 +48,22 @@ from megarl.config.schema import (
     RewardModelConfig,
     RolloutConfig,
     RunConfig,
+    SFTConfig,
     TrainerConfig,
 )
 
 
-def validate_config(config: RunConfig, *, check_files: bool = True) -> None:
+def validate_config(config: RunConfig, *, check_files: bool = True, mode: str = "rl") -> None:
     """Raise ConfigError (one line per problem) if ``config`` cannot work; see ``validate``."""
     from megarl.config.validate import validate_config as _validate
 
-    _validate(config, check_files=check_files)
+    _validate(config, check_files=check_files, mode=mode)
 
 
 __all__ = [
     "CONFIGS_DIR", "RESOLVED_NAME", "ActorConfig", "AlgorithmConfig", "ClusterConfig", "ConfigError",
     "CriticConfig", "DataConfig", "DynamicSamplingConfig", "KLLossConfig", "KLPenaltyConfig", "LayoutConfig",
     "ModelConfig", "OptimSettings", "OverlongPenaltyConfig", "RefConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
-    "RunConfig", "TrainerConfig", "apply_override", "compose", "deep_merge", "from_dict", "load_config",
+    "RunConfig", "SFTConfig", "TrainerConfig", "apply_override", "compose", "deep_merge", "from_dict", "load_config",
     "parse_value", "save_resolved", "to_dict", "to_yaml", "validate_config",
 ]

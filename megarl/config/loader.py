@@ -283,15 +283,17 @@ def load_config(
     search_path: Sequence[str | os.PathLike] | None = None,
     validate: bool = True,
     check_files: bool = True,
+    mode: str = "rl",
 ) -> RunConfig:
     """Compose, type and (by default) validate a run config; ConfigError on any problem.
 
     ``check_files=False`` skips the existence checks of data files and the resume checkpoint
-    (for checking a config on a machine that does not hold the data).
+    (for checking a config on a machine that does not hold the data). ``mode="sft"``: the config
+    of ``megarl sft`` (``RunConfig.for_sft``), validated as such.
     """
     config = from_dict(compose(path, overrides, search_path))
     if validate:
         from megarl.config.validate import validate_config
 
-        validate_config(config, check_files=check_files)
-    return config
+        validate_config(config, check_files=check_files, mode=mode)
+    return config.for_sft() if mode == "sft" else config

@@ -233,6 +233,23 @@ class RewardModelConfig(_Section):
 
 
 @dataclass
+class MultiTurnConfig(_Section):
+    """Multi-turn rollouts with tool calls (``megarl.agent``): the policy writes a turn, its tool
+    calls run, their outputs are appended (tokenised once, loss mask 0), and it writes the next
+    turn, until it calls no tool or a limit is reached. ``rollout.max_new_tokens`` bounds each turn."""
+
+    enabled: Bool = False
+    max_turns: Int = bounded(4, ge=1, fix="use e.g. 4")  # assistant turns per trajectory
+    # all tokens after the prompt (every turn and tool output); the training rows' response length
+    max_total_tokens: Int = bounded(256, ge=1, fix="use e.g. 1024")
+    tools: list[str] = field(default_factory=lambda: ["python"])  # calculator, python, or module:function
+    tool_format: str = "hermes"  # how the model writes calls: megarl.agent.TOOL_CALL_FORMATS
+    tool_timeout_s: Float = bounded(10.0, gt=0, fix="use e.g. 10")
+    tool_memory_mb: Int = bounded(1024, ge=16, fix="use e.g. 1024")
+    tool_max_output_chars: Int = bounded(2000, ge=16, fix="use e.g. 2000")
+
+
+@dataclass
 class RolloutConfig(_Section):
     """Generation: the engine, its tensor parallelism and placement, and sampling parameters."""
 
@@ -250,6 +267,7 @@ class RolloutConfig(_Section):
     ignore_eos: Bool = False  # true: every response is max_new_tokens long (benchmarks)
     # SGLang's static memory fraction (weights + KV cache)
     mem_fraction_static: Float = bounded(0.5, gt=0, lt=1, fix="use e.g. 0.5 when colocated, 0.85 on a separate pool")
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -343,6 +361,17 @@ class DataConfig(_Section):
 
 
 @dataclass
+class SFTConfig(_Section):
+    """Supervised fine-tuning on chat conversations (``megarl sft``): rows of ``data.train_files``
+    hold a list of messages, rendered with the chat template; the loss is on assistant tokens."""
+
+    messages_key: str = bounded("messages", min_length=1, problem="must not be empty", fix="use \"messages\"")
+    tools_key: str | None = None  # a row field with tool schemas the template shows (Qwen/Hermes); null = none
+    # longer conversations are dropped (counted and logged)
+    max_length: Int = bounded(1024, ge=2, fix="use e.g. 2048")
+
+
+@dataclass
 class RewardConfig(_Section):
     """Which function scores each data source (``megarl.rewards``)."""
 
@@ -423,6 +452,7 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -476,6 +506,25 @@ class RunConfig(_Section):
     def world_size_for(self, role: str) -> int:
         """Ranks in the role's pool (KeyError if the pool is not declared)."""
         return self.cluster.pool_sizes()[self.pool_for(role)]
+
+    @property
+    def max_response_length(self) -> int:
+        """The most tokens after a prompt: ``rollout.max_new_tokens``, or with multi-turn rollouts
+        ``rollout.multi_turn.max_total_tokens`` (every turn and tool output)."""
+        multi = self.rollout.multi_turn
+        return multi.max_total_tokens if multi.enabled else self.rollout.max_new_tokens
+
+    def for_sft(self) -> "RunConfig":
+        """This config as ``megarl sft`` trains it: one row per conversation (``rollout.n=1``, no
+        shared-prompt rows), a conversation's first token as its "prompt" and the rest as its
+        "response" (``sft.max_length`` tokens in all), and the ``sft`` loss (the masked negative
+        log-likelihood). The other RL settings are not read."""
+        actor = dataclasses.replace(self.actor, shared_prompts=False, policy_loss="sft", ppo_epochs=1,
+                                    mini_batch_size=None)
+        rollout = dataclasses.replace(self.rollout, n=1, max_new_tokens=self.sft.max_length - 1,
+                                      multi_turn=dataclasses.replace(self.rollout.multi_turn, enabled=False))
+        data = dataclasses.replace(self.data, max_prompt_length=1)
+        return dataclasses.replace(self, actor=actor, rollout=rollout, data=data)
 
     def effective_overlong_buffer(self) -> int:
         buf = self.algorithm.overlong_penalty.buffer_len

@@ -82,6 +82,29 @@ def model_hf_config(path: str) -> dict:
     )
 
 
+def _response_key(cfg: RunConfig) -> str:
+    """The setting that bounds the tokens after a prompt (``RunConfig.max_response_length``)."""
+    return "rollout.multi_turn.max_total_tokens" if cfg.rollout.multi_turn.enabled else "rollout.max_new_tokens"
+
+
+def _multi_turn_checks(cfg: RunConfig, p: _Problems) -> None:
+    """Tools that exist and a call format the parser knows, checked before anything starts."""
+    from megarl.agent import TOOL_CALL_FORMATS, ToolRegistry
+
+    m = cfg.rollout.multi_turn
+    if not m.enabled:
+        return
+    p.check(m.tool_format in TOOL_CALL_FORMATS, "rollout.multi_turn.tool_format", m.tool_format,
+            "is not a known tool-call format", f"use one of {sorted(TOOL_CALL_FORMATS)}")
+    try:
+        ToolRegistry.from_names(m.tools)
+    except ValueError as exc:
+        p.add("rollout.multi_turn.tools", m.tools, str(exc), "list built-in tools (calculator, python) or module:function")
+    p.check(m.max_total_tokens >= cfg.rollout.max_new_tokens, "rollout.multi_turn.max_total_tokens", m.max_total_tokens,
+            f"is below one turn's rollout.max_new_tokens={cfg.rollout.max_new_tokens}",
+            f"use at least {cfg.rollout.max_new_tokens} (several turns' worth)")
+
+
 def _bound_checks(cfg: RunConfig, p: _Problems) -> None:
     """Bounds that involve more than one field (each field's own bounds are declared next to it
     in ``megarl.config.schema`` and reported by ``field_problems``)."""
@@ -94,9 +117,9 @@ def _bound_checks(cfg: RunConfig, p: _Problems) -> None:
                 "use 0.0 or a fraction of lr")
         budget = section.max_tokens_per_micro_batch
         if budget is not None:
-            need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+            need = cfg.data.max_prompt_length + cfg.max_response_length
             p.check(budget >= need, f"{role}.max_tokens_per_micro_batch", budget,
-                    f"a full sequence (data.max_prompt_length + rollout.max_new_tokens = {need} tokens) must fit "
+                    f"a full sequence (data.max_prompt_length + {_response_key(cfg)} = {need} tokens) must fit "
                     "in one micro-batch", f"set it to at least {need}, or null to use micro_batch_size")
         mini = section.mini_batch_size
         if mini is not None and mini >= 1:
@@ -380,13 +403,11 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
 RUN_ADVANTAGE_INPUTS = ("index", "values", "gamma", "lam", "norm_by_std")
 
 
-def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None) -> None:
+def _algorithm_checks(cfg: RunConfig, p: _Problems) -> None:
+    """What the advantage estimator needs (a critic, groups, inputs a run computes), and the KL terms'
+    reference."""
     from megarl.algorithms import advantage_spec, list_advantages
 
-    if cfg.model.dtype == "float16":
-        p.add("model.dtype", "float16", "the actor would train in fp16, which needs loss scaling that megarl does "
-              "not configure (megatron's fp16 optimizer skips every step at its initial scale)",
-              "use bfloat16 (same memory, no loss scaling) or float32")
     adv = cfg.algorithm.advantage
     # what the estimator declared at registration (an unknown name is a registry problem)
     spec = advantage_spec(adv) if adv in list_advantages() else None
@@ -411,15 +432,28 @@ def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None) -> None:
     if needs_ref and not cfg.ref.enabled:
         p.add("ref.enabled", False, f"{' and '.join(needs_ref)} need the reference policy",
               "set ref.enabled=true, or turn the KL term off")
+
+
+def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, rl: bool) -> None:
+    if cfg.model.dtype == "float16":
+        p.add("model.dtype", "float16", "the actor would train in fp16, which needs loss scaling that megarl does "
+              "not configure (megatron's fp16 optimizer skips every step at its initial scale)",
+              "use bfloat16 (same memory, no loss scaling) or float32")
+    if rl:
+        _algorithm_checks(cfg, p)
     if cfg.actor.shared_prompts:
         for obstacle in cfg.shared_prompt_obstacles:
             p.add("actor.shared_prompts", True, obstacle, "set actor.shared_prompts=false (or null: on where possible)")
     if hf_config is not None:
         positions = hf_config.get("max_position_embeddings")
-        total = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-        if positions and total > positions:
-            p.add("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
-                  f"data.max_prompt_length={cfg.data.max_prompt_length} + max_new_tokens = {total} exceeds the "
+        total = cfg.data.max_prompt_length + cfg.max_response_length
+        if positions and total > positions and cfg.actor.policy_loss == "sft":  # RunConfig.for_sft
+            p.add("sft.max_length", cfg.sft.max_length, f"exceeds the model's max_position_embeddings={positions}",
+                  f"use at most {positions}")
+        elif positions and total > positions:
+            p.add(_response_key(cfg), cfg.max_response_length,
+                  f"data.max_prompt_length={cfg.data.max_prompt_length} + {_response_key(cfg).split('.', 1)[1]} = "
+                  f"{total} exceeds the "
                   f"model's max_position_embeddings={positions}",
                   f"make the two sum to at most {positions}")
         vocab = hf_config.get("vocab_size")
@@ -443,8 +477,20 @@ def _file_checks(cfg: RunConfig, p: _Problems) -> None:
               "use auto (latest checkpoint in trainer.output_dir), none, or an existing path")
 
 
-def validate_config(cfg: RunConfig, *, check_files: bool = True) -> None:
-    """Raise ConfigError (every problem, one line each) if the run cannot work as configured."""
+def _sft_checks(cfg: RunConfig, p: _Problems) -> None:
+    """``megarl sft`` trains the actor alone: models of the RL roles would be built for nothing."""
+    for key, on in (("critic.enabled", cfg.critic.enabled), ("ref.enabled", cfg.ref.enabled),
+                    ("reward_model.enabled", cfg.reward_model.enabled), ("actor.kl_loss.enabled", cfg.actor.kl_loss.enabled),
+                    ("algorithm.kl_penalty.enabled", cfg.algorithm.kl_penalty.enabled)):
+        if on:
+            p.add(key, True, "megarl sft trains the actor alone on the conversations", f"set {key}=false")
+
+
+def validate_config(cfg: RunConfig, *, check_files: bool = True, mode: str = "rl") -> None:
+    """Raise ConfigError (every problem, one line each) if the run cannot work as configured;
+    ``mode="sft"``: as ``megarl sft`` runs it (``RunConfig.for_sft``)."""
+    if mode not in ("rl", "sft"):
+        raise ValueError(f"mode must be 'rl' or 'sft', got {mode!r}")
     p = _Problems()
     for i, module in enumerate(cfg.imports):
         try:
@@ -475,6 +521,9 @@ def validate_config(cfg: RunConfig, *, check_files: bool = True) -> None:
             critic_hf = None
 
     reward_hf = _reward_model_config(cfg, p, hf_config)
+    if mode == "sft":
+        _sft_checks(cfg, p)
+        cfg = cfg.for_sft()
 
     p.lines.extend(field_problems(cfg))  # each field's own bounds (megarl.config.schema)
     _bound_checks(cfg, p)
@@ -482,7 +531,8 @@ def validate_config(cfg: RunConfig, *, check_files: bool = True) -> None:
     # Sizes are only worth cross-checking once each of them is sane on its own.
     if not any(line.startswith(_SIZE_KEYS) for line in p.lines):
         _resource_checks(cfg, p, hf_config, critic_hf, reward_hf)
-    _cross_checks(cfg, p, hf_config)
+    _cross_checks(cfg, p, hf_config, rl=mode == "rl")
+    _multi_turn_checks(cfg, p)
     if check_files:
         _file_checks(cfg, p)
     if p.lines:

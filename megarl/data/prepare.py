@@ -143,3 +143,22 @@ def synthetic_arith_records(
 def write_synthetic_arith(output: str | Path, num: int, seed: int = 0, **kwargs) -> int:
     """Write ``synthetic_arith_records(num, seed, **kwargs)`` to ``output``; the row count."""
     return write_records(synthetic_arith_records(num, seed, **kwargs), output)
+
+
+def synthetic_chat_records(num: int, seed: int = 0, turns: int = 2, **problem_kwargs) -> list[dict]:
+    """Chat records for ``megarl sft``: each row's ``messages`` ask ``turns`` arithmetic questions
+    in a row ("3+4=") and hold the assistant's correct answers ("7"), so a tiny model's SFT loss
+    has something to learn and a multi-turn conversation to learn it in."""
+    problems = arithmetic.make_arith_problems(num * turns, seed=seed, **problem_kwargs)
+    records = []
+    for i in range(num):
+        messages = []
+        for p in problems[i * turns:(i + 1) * turns]:
+            messages += [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": p.answer}]
+        records.append({"messages": messages, "index": i})
+    return records
+
+
+def write_synthetic_chat(output: str | Path, num: int, seed: int = 0, **kwargs) -> int:
+    """Write ``synthetic_chat_records(num, seed, **kwargs)`` to ``output``; the row count."""
+    return write_records(synthetic_chat_records(num, seed, **kwargs), output)

@@ -223,7 +223,8 @@ class SGLangEngine:
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict | list[dict],
                  return_logprob: bool = False, timeout_s: float | None = None) -> list[dict]:
-        """One dict per prompt: ``output_ids``, ``finish_reason``, ``cached_tokens`` (prompt tokens
+        """One dict per prompt: ``output_ids``, ``finish_reason`` ("stop": an end or stop token,
+        "length": ``max_new_tokens`` reached, "abort"), ``cached_tokens`` (prompt tokens
         whose KV came from the prefix cache) and, with ``return_logprob``, ``output_logprobs``
         (log-prob of each output token)."""
         return self.call("generate", input_ids, sampling_params, return_logprob, timeout_s=timeout_s)

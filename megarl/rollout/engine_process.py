@@ -32,7 +32,9 @@ def _do_generate(engine, input_ids, sampling_params, return_logprob):
     results = []
     for out in [outs] if isinstance(outs, dict) else outs:
         meta = out["meta_info"]
-        res = {"output_ids": list(out["output_ids"]), "finish_reason": meta.get("finish_reason"),
+        reason = meta.get("finish_reason")  # SGLang: {"type": "stop" | "length" | "abort", ...}
+        res = {"output_ids": list(out["output_ids"]),
+               "finish_reason": reason.get("type") if isinstance(reason, dict) else reason,
                "cached_tokens": int(meta.get("cached_tokens", 0))}
         if return_logprob:
             res["output_logprobs"] = [float(lp) for lp, *_ in meta["output_token_logprobs"]]

@@ -174,7 +174,8 @@ def test_every_role_on_a_pool_of_its_own_matches_the_colocated_run(separate_pool
     steps, output, _ = killed_and_resumed
     # engines use their ranks' cores, not the one thread Ray gives its actors (2 ranks here)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert f"2 SGLang engine(s) of TP=1 colocated ({threads} CPU thread(s) per rank)" in output, output[-3000:]
+    assert f"of actor+ref (layout tp=1 pp=1 cp=1) ({threads} CPU thread(s) per rank)" in output, output[-3000:]
+    assert "2 SGLang engine(s) of TP=1 colocated" in output, output[-3000:]
     _assert_same_steps(steps, separate_pools, (1, 2))
     assert separate_pools[4]["actor/kl_loss"] > 1e-6  # the reference's log-probs are in the compared loss
 

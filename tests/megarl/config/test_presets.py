@@ -15,6 +15,8 @@ COMPOSITIONS = {
     "quickstart_grpo.yaml": None,
     "llama3_70b_grpo_32x8.yaml": None,
     "llama3_70b_ppo_32x8.yaml": None,
+    "sft_chat_arith.yaml": None,
+    "agent_gsm8k_python.yaml": None,
     **{f"algorithm/{name}.yaml": [_QUICK, f"algorithm/{name}"]
        for name in ("grpo", "ppo", "dapo", "drgrpo", "rloo", "reinforce_plus_plus", "gspo")},
     "layout/tp1.yaml": [_QUICK, "model/tiny-llama", "layout/tp1", "cluster/local-cpu-4"],
@@ -48,7 +50,8 @@ def test_preset_loads_and_validates(name, tmp_path, data_file):
     else:
         path = tmp_path / "run.yaml"
         path.write_text("defaults: [" + ", ".join(defaults) + "]\n")
-    config = load_config(path, [f"data.train_files=[{data_file}]"], search_path=[CONFIGS_DIR])
+    mode = "sft" if name.startswith("sft") else "rl"  # `megarl sft` configs are validated as it reads them
+    config = load_config(path, [f"data.train_files=[{data_file}]"], search_path=[CONFIGS_DIR], mode=mode)
     # The preset's own values are in the result (it was not shadowed by the composition).
     own = load_config(CONFIGS_DIR / name, validate=False)
     if name.startswith(("layout/", "model/", "cluster/")):

@@ -87,7 +87,7 @@ def test_dual_clip_only_with_the_ppo_loss(problems):
 @pytest.mark.parametrize("override, start, valid", [
     ("algorithm.advantage=grpoo", 'algorithm.advantage="grpoo": unknown advantage estimator; did you mean \'grpo\'?',
      "gae, grpo, prime, reinforce_plus_plus"),
-    ("actor.policy_loss=ppo2", 'actor.policy_loss="ppo2": unknown policy loss', "gspo, ppo, vanilla"),
+    ("actor.policy_loss=ppo2", 'actor.policy_loss="ppo2": unknown policy loss', "gspo, ppo, sft, vanilla"),
     ("actor.loss_agg_mode=mean", 'actor.loss_agg_mode="mean": unknown loss aggregation mode',
      "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"),
     ("actor.kl_loss.estimator=k4", 'actor.kl_loss.estimator="k4": unknown KL estimator', "k1, k2, k3"),
@@ -346,3 +346,30 @@ def test_rollout_correction_names_and_bypass(problems):
     assert line.startswith('algorithm.rollout_correction.method="tis": with bypass=true the rollout\'s log-probs')
     line = _one(problems("algorithm.rollout_correction.high=0.5"))
     assert line.startswith("algorithm.rollout_correction.high=0.5")
+
+
+def test_multi_turn_tools_and_budget_are_checked(problems):
+    lines = problems("rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[python, nosuchtool]",
+                     "rollout.multi_turn.tool_format=xml", "rollout.multi_turn.max_total_tokens=2")
+    assert len(lines) == 3, lines
+    assert any(line.startswith("rollout.multi_turn.tools=") and "nosuchtool" in line for line in lines), lines
+    assert any(line.startswith('rollout.multi_turn.tool_format="xml": is not a known tool-call format')
+               and "hermes" in line for line in lines), lines
+    assert any(line.startswith("rollout.multi_turn.max_total_tokens=2: is below one turn's rollout.max_new_tokens")
+               for line in lines), lines
+    # the response length the rows are sized for is the multi-turn budget
+    line = _one(problems("rollout.multi_turn.enabled=true", "rollout.multi_turn.max_total_tokens=300"))
+    assert line.startswith("rollout.multi_turn.max_total_tokens=300: data.max_prompt_length=32 + "
+                           "multi_turn.max_total_tokens = 332 exceeds the model's max_position_embeddings"), line
+
+
+def test_sft_mode_trains_the_actor_alone_within_the_model_positions(data_file):
+    sft = CONFIGS_DIR / "sft_chat_arith.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(sft, [f"data.train_files=[{data_file}]", "critic.enabled=true", "sft.max_length=1000"], mode="sft")
+    assert info.value.problems == [
+        "critic.enabled=true: megarl sft trains the actor alone on the conversations; set critic.enabled=false",
+        "sft.max_length=1000: exceeds the model's max_position_embeddings=256; use at most 256"]
+    config = load_config(sft, [f"data.train_files=[{data_file}]"], mode="sft")
+    assert (config.actor.policy_loss, config.rollout.n, config.shared_prompt_rows) == ("sft", 1, False)
+    assert config.data.max_prompt_length + config.max_response_length == config.sft.max_length
