@@ -59,3 +59,41 @@ class MetricsLogger:
         self.jsonl.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+class Timeline:
+    """Every phase's span as a Chrome/Perfetto trace, ``timeline.json`` in the run directory: a
+    JSON array of complete events ("ph": "X", microseconds of wall time), one per line, appended
+    as each phase ends (a resumed run continues the file; the array format lets the closing
+    bracket be missing). Open it in ui.perfetto.dev or chrome://tracing, or draw it with
+    ``tools/plot_timeline.py``. Lanes are threads of one process: "controller" (the step's
+    phases) and "rollout" (generation, which may overlap them)."""
+
+    LANES = ("controller", "rollout")
+
+    def __init__(self, path: str | Path):
+        import threading
+
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        new = not self.path.is_file() or self.path.stat().st_size == 0
+        with open(self.path, "a") as f:
+            if new:
+                f.write("[\n" + "".join(json.dumps({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+                                                    "args": {"name": lane}}) + ",\n"
+                                        for tid, lane in enumerate(self.LANES)))
+
+    def span(self, name: str, lane: str, start: float, end: float, step: int) -> None:
+        """One phase ``name`` on ``lane`` from ``start`` to ``end`` (``time.time()`` seconds)."""
+        event = {"name": name, "ph": "X", "pid": 1, "tid": self.LANES.index(lane), "ts": round(start * 1e6),
+                 "dur": round((end - start) * 1e6), "args": {"step": step}}
+        with self._lock, open(self.path, "a") as f:
+            f.write(json.dumps(event) + ",\n")
+
+
+def read_timeline(path: str | Path) -> list[dict]:
+    """The complete ("X") events of a ``Timeline`` file, each with its lane's name as ``lane``."""
+    text = Path(path).read_text().rstrip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return [dict(e, lane=lanes.get(e["tid"], str(e["tid"]))) for e in events if e.get("ph") == "X"]
