@@ -22,16 +22,20 @@ import os
 import shutil
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megarl.config.schema import RunConfig
-from megarl.metrics import MetricsLogger
+from megarl.faults import FaultPlan
+from megarl.metrics import MetricsLogger, Timeline
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
+TIMELINE_FILE = "timeline.json"
 
 
 class RunError(RuntimeError):
@@ -167,6 +171,15 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg, self.model_dir)
         self._stop_requested = False
         self.step = 0
+        self.timeline = Timeline(self.out / TIMELINE_FILE)
+        # rollout.mode=one_step_off: the next step's generation, running while this step trains,
+        # and the data position before its prompts were drawn (what a checkpoint resumes from)
+        self._next_rollout: Future | None = None
+        try:
+            self.faults = FaultPlan()
+        except ValueError as exc:
+            raise RunError(str(exc)) from None
+        self._data_state_before_next: dict | None = None
         self._build_data()
         self._start_workers()
 
@@ -360,11 +373,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ the dataflow pieces
 
-    def generate(self, prompts: dict) -> dict:
-        """``rollout.n`` samples of every prompt from the engines (multi-turn trajectories with tool
-        calls when ``rollout.multi_turn.enabled``): the training batch."""
-        import ray
+    def next_rollout(self) -> dict:
+        """This step's training batch: generated now (``rollout.mode=sync``), or one step off the
+        batch generated while the last step trained, after which the next step's generation
+        starts (with the engines' current weights, those before this step's update)."""
+        if self.cfg.rollout.mode == "sync" or self._next_rollout is None:
+            batch = self.generate(self.loader.next_batch(), self.step)
+        else:
+            batch = self._next_rollout.result()
+        self._next_rollout = None
+        if self.cfg.rollout.mode == "one_step_off" and self.step + 1 < self.cfg.trainer.total_steps:
+            self._data_state_before_next = self.loader.state_dict()
+            if not hasattr(self, "_rollout_thread"):
+                self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="megarl-rollout")
+            self._next_rollout = self._rollout_thread.submit(self.generate, self.loader.next_batch(), self.step + 1)
+        return batch
 
+    def wait_for_next_rollout(self) -> None:
+        """Block until the generation running beside this step is done: engines take new weights
+        only when idle (a partial rollout across a sync is not implemented)."""
+        if self._next_rollout is not None:
+            wait_for([self._next_rollout])
+
+    def generate(self, prompts: dict, step: int) -> dict:
+        """``rollout.n`` samples of every prompt from the engines (multi-turn trajectories with tool
+        calls when ``rollout.multi_turn.enabled``): the batch step ``step`` trains on, sampled with
+        that step's seed by the engines' current weights (their ``weight_version``: the number of
+        updates synced into them, ``self.step`` while they generate)."""
         from megarl.rollout.engine_worker import engine_shares
 
         r = self.cfg.rollout
@@ -375,13 +410,17 @@ class Trainer:
         if r.stop_token_ids:
             params["stop_token_ids"] = list(r.stop_token_ids)
         shares = engine_shares(len(prompt_ids), len(self.engines))
-        seed = self.cfg.trainer.seed * 100_003 + self.step
+        seed = self.cfg.trainer.seed * 100_003 + step
+        version, started = self.step, time.time()
         extra: dict[str, list] = {}
+        rollout_metrics: dict[str, float] = {}
+        restarts = [0]  # engines restarted during this step (a list: the agent loop's callback adds to it)
         if self.agent is None:
-            refs = [engine.generate.remote([prompt_ids[i] for i in share], [params] * len(share), seed + e)
-                    for e, (engine, share) in enumerate(zip(self.engines, shares))]
+            per_engine = self._generate_on_engines([[prompt_ids[i] for i in share] for share in shares],
+                                                   [[params] * len(share) for share in shares],
+                                                   [seed + e for e in range(len(self.engines))], step, restarts)
             outputs: list[dict] = [None] * len(prompt_ids)
-            for share, results in zip(shares, ray.get(refs)):
+            for share, results in zip(shares, per_engine):
                 for i, out in zip(share, results):
                     outputs[i] = out
             responses = [out["output_ids"][: r.max_new_tokens] for out in outputs]
@@ -390,13 +429,13 @@ class Trainer:
         else:
             from megarl.agent import trajectory_metrics
 
-            trajectories = self.agent.run(self._engine_turns(seed), prompt_ids,
+            trajectories = self.agent.run(self._engine_turns(seed, step, restarts), prompt_ids,
                                           [e for e, share in enumerate(shares) for _ in share], len(self.engines), params)
             responses = [t.response_ids for t in trajectories]
             logprobs = [t.logprobs for t in trajectories]
             masks = [t.loss_mask for t in trajectories]
             extra = {"tool_calls": [t.tool_calls for t in trajectories], "finish": [t.finish for t in trajectories]}
-            self.trajectory_metrics = trajectory_metrics(trajectories, self.agent.tools.take_counts())
+            rollout_metrics = trajectory_metrics(trajectories, self.agent.tools.take_counts())
         lengths = [len(p) + max(len(resp), 1) for p, resp in zip(prompt_ids, responses)]
         ids = torch.zeros(len(prompt_ids), max(lengths), dtype=torch.long)
         width = max(max(len(resp) for resp in responses), 1)
@@ -418,27 +457,72 @@ class Trainer:
             "data_source": repeat(prompts["data_source"]),
             "ground_truth": repeat(prompts["ground_truth"]),
             "extra_info": repeat(prompts["extra_info"]),
+            "weight_version": torch.full((len(prompt_ids),), version),
             **extra,
         }
+        ended = time.time()
+        self.timeline.span("generate", "rollout", started, ended, step + 1)
+        batch["rollout_metrics"] = {**rollout_metrics, "time/generation_s": ended - started,
+                                    "rollout/engine_restarts": float(restarts[0])}
         if masks is not None:
             batch["loss_mask"] = loss_mask
         return batch
 
-    def _engine_turns(self, seed: int):
+    def _engine_turns(self, seed: int, step: int, restarts: list[int]):
         """The agent loop's ``generate``: every engine's requests of one turn at once; sampling is
         re-seeded on the first turn only, so later turns find the earlier ones in the engines'
         prefix caches (each trajectory stays on its engine)."""
-        import ray
-
         first = [True]
 
         def generate(inputs: list[list[list[int]]], params: list[list[dict]]) -> list[list[dict]]:
-            refs = [engine.generate.remote(inputs[e], params[e], seed + e if first[0] else None) if inputs[e] else None
-                    for e, engine in enumerate(self.engines)]
+            seeds = [seed + e if first[0] else None for e in range(len(self.engines))]
             first[0] = False
-            return [ray.get(ref) if ref is not None else [] for ref in refs]
+            return self._generate_on_engines(inputs, params, seeds, step, restarts)
 
         return generate
+
+    def _generate_on_engines(self, inputs: list[list[list[int]]], params: list[list[dict]], seeds: list[int | None],
+                             step: int, restarts: list[int]) -> list[list[dict]]:
+        """Engine e's outputs for ``inputs[e]`` (all engines at once). An engine that dies is
+        restarted, given the current weights by a full (checksum-verified) sync and asked again
+        with the same seed, so it samples what it would have; at most ``rollout.max_engine_restarts``
+        times per step (``restarts[0]`` counts them), and never while the actor trains beside the
+        generation (``one_step_off``: the sync would write other weights than the batch's)."""
+        import ray
+
+        from megarl.rollout.engine import EngineDiedError
+
+        def ask(e: int):
+            return self.engines[e].generate.remote(inputs[e], params[e], seeds[e])
+
+        if self.faults.fire("kill_engine", step + 1):
+            self.log(f"megarl: fault injection: killing engine 0 (pid {ray.get(self.engines[0].kill_engine.remote())})")
+        pending = {e: ask(e) for e in range(len(self.engines)) if inputs[e]}
+        outputs: list[list[dict]] = [[] for _ in self.engines]
+        while pending:
+            e, ref = next(iter(pending.items()))
+            try:
+                outputs[e] = ray.get(ref)
+                del pending[e]
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", exc)
+                if not isinstance(cause, EngineDiedError):
+                    raise
+                why = str(cause).splitlines()[0]
+                if restarts[0] >= self.cfg.rollout.max_engine_restarts or self.cfg.rollout.mode != "sync":
+                    raise RunError(f"step {step + 1}: SGLang engine {e} died during generation ({why}); "
+                                   + ("restarts are not done one step off (the sync would write the weights being "
+                                      "trained); use rollout.mode=sync" if self.cfg.rollout.mode != "sync" else
+                                      f"rollout.max_engine_restarts={self.cfg.rollout.max_engine_restarts} restarts "
+                                      "this step already") + "; run the same command to resume from the last checkpoint"
+                                   ) from exc
+                restarts[0] += 1
+                pid = ray.get(self.engines[e].restart.remote())
+                self.log(f"megarl: step {step + 1}: SGLang engine {e} died during generation ({why}); restarted it "
+                         f"(pid {pid}), resyncing the weights and retrying its {len(inputs[e])} request(s)")
+                self.sync_weights()
+                pending[e] = ask(e)
+        return outputs
 
     def score(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """One score per sample: the reward model's output at the sample's last token when
@@ -610,40 +694,76 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_<k>`` atomically (the hidden ``.step_<k>.partial``, renamed
-        when complete; a killed save's is removed by the next) and keep the last K."""
+        when complete; a killed save's is removed by the next) with a manifest of its files'
+        checksums, written last, and keep the last K. A failed save (a full disk) keeps the
+        previous checkpoints and stops the run (RunError) saying so."""
         from parallel.checkpoint.atomic import atomic_directory, partial_dir
+        from parallel.checkpoint.manifest import write_manifest
 
         target = self.out / CHECKPOINT_DIR / f"step_{self.step:06d}"
         if target.exists():
             return target
-        with atomic_directory(target, partial=partial_dir(target)) as partial:
-            self._call_workers("save_checkpoint", str(partial))
-            state = {"step": self.step, "fingerprint": config_fingerprint(self.cfg), **self.run_state()}
-            (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+        try:
+            with atomic_directory(target, partial=partial_dir(target)) as partial:
+                self._call_workers("save_checkpoint", str(partial))
+                state = {"step": self.step, "fingerprint": config_fingerprint(self.cfg), **self.run_state()}
+                (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+                write_manifest(partial, checksums=self.cfg.trainer.checkpoint_checksums)
+        except Exception as exc:  # noqa: BLE001 - a worker's OSError arrives wrapped by Ray
+            previous = self.checkpoints()
+            kept = f"the newest complete checkpoint, {previous[-1]}, is intact" if previous else "no checkpoint was kept"
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]  # Ray's: the traceback's last line
+            raise RunError(f"saving {target} failed ({why}); nothing "
+                           f"of it was kept and {kept}. Free space under {target.parent} (or lower trainer.keep_last) "
+                           "and run the same command to resume") from exc
         for old in self.checkpoints()[: -self.cfg.trainer.keep_last or None]:
             shutil.rmtree(old, ignore_errors=True)
         self.log(f"megarl: saved {target}")
         return target
 
     def run_state(self) -> dict:
-        """What a checkpoint keeps beside the models: the data position and the KL controller."""
-        return {"data": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict()}
+        """What a checkpoint keeps beside the models: the data position (before the prompts of a
+        generation running one step ahead: a resumed run generates them again) and the KL controller."""
+        data = self._data_state_before_next if self._next_rollout is not None else self.loader.state_dict()
+        return {"data": data, "kl_controller": self.kl_controller.state_dict()}
 
     def load_run_state(self, state: dict) -> None:
         self.loader.load_state_dict(state["data"])
         self.kl_controller.load_state_dict(state["kl_controller"])
 
-    def _maybe_resume(self) -> None:
+    def resume_checkpoint(self) -> Path | None:
+        """The checkpoint ``trainer.resume`` names, checked against its manifest: with ``auto`` the
+        newest intact one (each newer one skipped is logged with what is wrong with it); RunError
+        if the named one, or every one found, is damaged."""
+        from parallel.checkpoint.manifest import manifest_problem
+
         resume = self.cfg.trainer.resume
         if resume == "none":
-            return
+            return None
         found = self.checkpoints()
-        path = Path(resume) if resume != "auto" else (found[-1] if found else None)
+        if resume != "auto":
+            problem = (f"{STATE_FILE} is missing" if not (Path(resume) / STATE_FILE).is_file()
+                       else manifest_problem(resume))
+            if problem:
+                raise RunError(f"trainer.resume={resume}: not an intact megarl checkpoint: {problem}; pick one of "
+                               f"{[str(p) for p in found]} or set trainer.resume=none")
+            return Path(resume)
+        problems = []
+        for path in reversed(found):
+            problem = manifest_problem(path)
+            if problem is None:
+                return path
+            problems.append(f"{path.name}: {problem}")
+            self.log(f"megarl: skipping checkpoint {path}: {problem}")
+        if problems:
+            raise RunError(f"no intact checkpoint in {self.out / CHECKPOINT_DIR} to resume from ({'; '.join(problems)}); "
+                           "restore one, or set trainer.resume=none to start over")
+        return None
+
+    def _maybe_resume(self) -> None:
+        path = self.resume_checkpoint()
         if path is None:
             return
-        if not (path / STATE_FILE).is_file():
-            raise RunError(f"trainer.resume={resume}: {path} is not a complete megarl checkpoint "
-                           f"({STATE_FILE} is missing); pick one of {[str(p) for p in found]} or set trainer.resume=none")
         state = json.loads((path / STATE_FILE).read_text())
         changed = resume_changes(state["fingerprint"], self.cfg, path)
         rng_restored = all(self._call_workers("load_checkpoint", str(path)))
@@ -668,6 +788,8 @@ class Trainer:
         """Stop every engine and worker (and Ray, if this trainer started it)."""
         import ray
 
+        if hasattr(self, "_rollout_thread"):  # a generation one step ahead ends with the engines
+            self._rollout_thread.shutdown(wait=False, cancel_futures=True)
         for engine in getattr(self, "engines", []):
             try:
                 ray.get(engine.shutdown.remote(), timeout=60)
@@ -720,18 +842,23 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class _Timer:
-    def __init__(self, metrics: dict):
-        self.metrics = metrics
+    """``with timed(phase):`` records the phase's duration as ``time/<phase>_s`` and its span on
+    the controller's lane of the timeline."""
+
+    def __init__(self, metrics: dict, timeline: Timeline, step: int):
+        self.metrics, self.timeline, self.step = metrics, timeline, step
 
     def __call__(self, phase: str):
         timer = self
 
         class _Phase:
             def __enter__(self):
-                self.start = time.perf_counter()
+                self.start = time.time()
 
             def __exit__(self, *exc):
-                timer.metrics[f"time/{phase}_s"] = time.perf_counter() - self.start
+                end = time.time()
+                timer.metrics[f"time/{phase}_s"] = end - self.start
+                timer.timeline.span(phase, "controller", self.start, end, timer.step)
 
         return _Phase()
 
@@ -745,7 +872,7 @@ def _recomputes_old_logp(t: Trainer) -> bool:
     if alg.rollout_correction.bypass:
         return False
     return (a.ppo_epochs * t._minibatches_per_step(a.mini_batch_size) > 1 or alg.kl_penalty.enabled
-            or t.cfg.critic.enabled or alg.rollout_correction.method != "none")
+            or t.cfg.critic.enabled or alg.rollout_correction.method != "none" or t.cfg.rollout.mode != "sync")
 
 
 def _common_metrics(batch: dict, scores: torch.Tensor, reward_stats: dict, metrics: dict) -> None:
@@ -763,10 +890,10 @@ def rl_step(t: Trainer) -> dict[str, float]:
     GRPO-style runs (no critic) take the group baseline from the rewards; PPO (``critic.enabled``)
     adds the critic's values, GAE, and the critic update inside ``Trainer.update``."""
     metrics: dict[str, float] = {}
-    timed = _Timer(metrics)
+    timed = _Timer(metrics, t.timeline, t.step + 1)
     start = time.perf_counter()
-    with timed("generate"):
-        batch = t.generate(t.loader.next_batch())
+    with timed("generate"):  # one step off: the wait for the batch generated during the last step
+        batch = t.next_rollout()
     t.engines_hold_memory(False)
     with timed("reward"):
         scores, reward_stats = t.score(batch)
@@ -787,6 +914,8 @@ def rl_step(t: Trainer) -> dict[str, float]:
         t.save_rollouts(batch, scores, t.step + 1)
     with timed("update"):
         metrics.update(t.update(batch))
+    with timed("wait_generation"):  # one step off: the next batch's generation, if training was faster
+        t.wait_for_next_rollout()
     with timed("sync"):
         t.engines_hold_memory(True)
         metrics.update(t.sync_weights())
@@ -796,13 +925,16 @@ def rl_step(t: Trainer) -> dict[str, float]:
 
 def _finish_metrics(t: Trainer, batch: dict, scores, reward_stats, metrics: dict, start: float) -> None:
     _common_metrics(batch, scores, reward_stats, metrics)
-    if t.agent is not None:
-        metrics.update(t.trajectory_metrics)
+    metrics.update(batch["rollout_metrics"])
+    lag = t.step - batch["weight_version"]  # updates between the generating weights and the trained ones
+    metrics.update({"rollout/version_lag_mean": float(lag.float().mean()), "rollout/version_lag_max": float(lag.max())})
+    metrics.update({f"rollout/version_lag/{int(v)}": float((lag == v).sum()) for v in lag.unique()})
     elapsed = time.perf_counter() - start
     tokens = float((batch["prompt_lengths"] + batch["response_lengths"]).sum())
     metrics.update({"time/step_s": elapsed, "throughput/samples_per_s": len(scores) / elapsed,
                     "throughput/tokens_per_s": tokens / elapsed,
-                    "throughput/generated_tokens_per_s": float(batch["response_lengths"].sum()) / metrics["time/generate_s"]})
+                    "throughput/generated_tokens_per_s": float(batch["response_lengths"].sum())
+                    / metrics["time/generation_s"]})
     flops = _flops_per_token(t)
     if flops:
         metrics["perf/train_tflops_per_s"] = 3 * flops * tokens / metrics["time/update_s"] / 1e12

@@ -265,6 +265,12 @@ class RolloutConfig(_Section):
     max_new_tokens: Int = bounded(32, ge=1, fix="use e.g. 256")
     stop_token_ids: list[Int] = field(default_factory=list)
     ignore_eos: Bool = False  # true: every response is max_new_tokens long (benchmarks)
+    # sync: generate, then train on it; one_step_off: the next step's batch is generated (with the
+    # weights before this step's update) while this step trains, so each batch is one version old
+    # (engines on a pool of their own: rollout.placement=separate)
+    mode: Literal["sync", "one_step_off"] = "sync"
+    # an engine that dies during generation is restarted, resynced and asked again, this often per step
+    max_engine_restarts: Int = bounded(2, ge=0, fix="use e.g. 2 (0: a dead engine stops the run)")
     # SGLang's static memory fraction (weights + KV cache)
     mem_fraction_static: Float = bounded(0.5, gt=0, lt=1, fix="use e.g. 0.5 when colocated, 0.85 on a separate pool")
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -392,6 +398,9 @@ class TrainerConfig(_Section):
     # RL steps between checkpoints; 0 = only at the end
     save_every: Int = bounded(0, ge=0, problem="must be >= 0 (0 = only at the end)", fix="use e.g. 50")
     keep_last: Int = bounded(2, ge=1, fix="use e.g. 2")  # checkpoints kept
+    # every checkpoint file's checksum is recorded at save and checked before a resume (reads the
+    # checkpoint once more each time); false: sizes only
+    checkpoint_checksums: Bool = True
     # auto (latest in output_dir, if any) | none | a checkpoint path
     resume: str = bounded("auto", min_length=1, problem="must not be empty", fix="use auto, none or a checkpoint path")
     output_dir: str = bounded("runs/quickstart", min_length=1, problem="must not be empty", fix="use e.g. runs/my_run")

@@ -335,7 +335,11 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
                   "use another pool, or set rollout.placement=colocated")
         else:
             roles["rollout"] = ("rollout.pool", r.pool)
-    elif r.pool is not None and r.pool != cfg.actor.pool:
+    if r.mode != "sync" and r.placement != "separate":
+        p.add("rollout.mode", r.mode, "generation overlaps training only on engines with ranks of their own "
+              "(colocated engines share the actor's devices)",
+              "set rollout.placement=separate with a rollout.pool, or rollout.mode=sync")
+    if r.placement != "separate" and r.pool is not None and r.pool != cfg.actor.pool:
         p.add("rollout.pool", r.pool, f"a colocated rollout runs on the actor's pool ({cfg.actor.pool!r})",
               "set rollout.placement=separate, or rollout.pool=null")
     bad_pool = set()

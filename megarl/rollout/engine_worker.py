@@ -19,7 +19,8 @@ class RolloutWorker:
     colocated release/resume of engine memory (no-ops on CPU)."""
 
     def __init__(self, model_path: str, tp_size: int, dtype: str, engine_kwargs: dict[str, Any]):
-        self.engine = SGLangEngine(model_path, tp_size=tp_size, dtype=dtype, **engine_kwargs)
+        self._start = lambda: SGLangEngine(model_path, tp_size=tp_size, dtype=dtype, **engine_kwargs)  # noqa: E731
+        self.engine = self._start()
         self._stale_prefix_cache = False  # weights changed, cached KV not flushed yet
 
     def generate(self, prompts: list[list[int]], sampling_params: list[dict], seed: int | None) -> list[dict]:
@@ -43,6 +44,23 @@ class RolloutWorker:
         self._stale_prefix_cache = True  # flushed by the next generate (cheaply, when it re-seeds)
         return sync_weights(self.engine, [staged_tensors(shards) if isinstance(shards, bytes) else
                                           shards_from_transport(shards) for shards in per_rank], flush_cache=False)
+
+    def restart(self) -> int:
+        """Replace the engine (dead, or to be replaced) by a fresh one with the same arguments; it
+        holds the model's initial weights until the next sync. Returns the new engine's pid."""
+        self.engine.shutdown()
+        self.engine = self._start()
+        self._stale_prefix_cache = False
+        return self.engine.pid
+
+    def kill_engine(self) -> int:
+        """Fault injection (``megarl.faults``): SIGKILL every process of the engine, as a crash
+        would; the next request fails with EngineDiedError. Returns the killed pid."""
+        import os
+        import signal
+
+        os.killpg(self.engine.pid, signal.SIGKILL)
+        return self.engine.pid
 
     def release_memory(self) -> None:
         if self.engine.device != "cpu":

@@ -108,18 +108,19 @@ FOUR_STEPS = {"trainer.total_steps": 4, "trainer.save_every": 2, "data.batch_siz
 COMPARED = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm")
 
 
+SEPARATE = {**FOUR_STEPS, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 6,
+            "cluster.pools": "{train: 2, rollout: 2, reference: 2}", "actor.pool": "train",
+            "rollout.placement": "separate", "rollout.pool": "rollout", "ref.pool": "reference", "ref.layout.pp": 2}
+
+
 @pytest.fixture(scope="module")
 def separate_pools(prompts, tmp_path_factory):
     """Step -> metrics of an uninterrupted 4-step run with every role on a pool of its own: the
     actor on 2 trainer ranks, two TP=1 engines on 2 ranks of their own (fed by the separate-pool
     sync), the reference at PP=2 on 2 more. The oracle of the colocated runs below: the same
     seed, data and model, so every step (rollouts after each sync, KL to the reference) must match."""
-    separate = {**FOUR_STEPS, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 6,
-                "cluster.pools": "{train: 2, rollout: 2, reference: 2}", "actor.pool": "train",
-                "rollout.placement": "separate", "rollout.pool": "rollout", "ref.pool": "reference",
-                "ref.layout.pp": 2}
     out = tmp_path_factory.mktemp("separate")
-    code, output = _run(_overrides(prompts, out, **separate) + ["--no-export"])
+    code, output = _run(_overrides(prompts, out, **SEPARATE) + ["--no-export"])
     assert code == 0, output[-3000:]
     assert "pool 'reference': 2 rank(s) of ref (layout tp=1 pp=2 cp=1)" in output, output[-3000:]
     assert "2 SGLang engine(s) of TP=1 on their own pool 'rollout'" in output, output[-3000:]
@@ -150,9 +151,11 @@ def killed_and_resumed(prompts, tmp_path_factory):
                      if p.name() not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")]
     finally:
         _kill_session(proc.pid)
-    code, output = _run(_overrides(prompts, out, **FOUR_STEPS) + ["--no-export"])
+    # The resumed run also meets a dead engine: MEGARL_FAULTS SIGKILLs engine 0 before step 3's generation.
+    code, output = _run(_overrides(prompts, out, **FOUR_STEPS) + ["--no-export"],
+                        env={**os.environ, "MEGARL_FAULTS": "kill_engine@3"})
     assert code == 0, output[-3000:]
-    return {m["step"]: m for m in _metrics(out)}, output, survivors
+    return {m["step"]: m for m in _metrics(out)}, output, survivors, out
 
 
 def _assert_same_steps(run: dict, oracle: dict, steps) -> None:
@@ -162,16 +165,26 @@ def _assert_same_steps(run: dict, oracle: dict, steps) -> None:
 
 
 def test_resume_after_sigkill_matches_an_uninterrupted_run(separate_pools, killed_and_resumed):
-    steps, output, survivors = killed_and_resumed
+    steps, output, survivors, _ = killed_and_resumed
     assert "resumed from" in output
     _assert_same_steps(steps, separate_pools, (3, 4))
     assert survivors == [], f"processes of the killed run still alive: {survivors}"
 
 
+def test_a_killed_engine_is_restarted_resynced_and_retried(killed_and_resumed):
+    """In the resumed run, engine 0's processes were SIGKILLed before step 3's generation: the run
+    restarted it, resynced the trained weights into it (checksum-verified) and retried its requests
+    with the same seed, which is why its steps 3-4 equal the uninterrupted run's (test above)."""
+    steps, output, _, _ = killed_and_resumed
+    assert "fault injection: killing engine 0" in output, output[-3000:]
+    assert "step 3: SGLang engine 0 died during generation" in output and "restarted it" in output, output[-3000:]
+    assert [steps[k]["rollout/engine_restarts"] for k in (3, 4)] == [1, 0]
+
+
 def test_every_role_on_a_pool_of_its_own_matches_the_colocated_run(separate_pools, killed_and_resumed):
     """The colocated run's steps before its kill (steps 1-2: the second samples from weights
     synced after an update) equal the separate pools' (its steps 3-4 are the resume test's)."""
-    steps, output, _ = killed_and_resumed
+    steps, output, _, _ = killed_and_resumed
     # engines use their ranks' cores, not the one thread Ray gives its actors (2 ranks here)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert f"of actor+ref (layout tp=1 pp=1 cp=1) ({threads} CPU thread(s) per rank)" in output, output[-3000:]
@@ -186,6 +199,46 @@ from megarl.rewards.builtin import arithmetic_reward
 def shifted(**kw):
     return 1.0 + arithmetic_reward(**kw)
 """
+
+
+def test_auto_resume_skips_a_corrupted_newest_checkpoint(separate_pools, killed_and_resumed, prompts):
+    """One byte of the newest checkpoint (step 4) flipped: ``resume: auto`` finds it against the
+    checksums recorded at save, says so, resumes from step 2 instead and repeats steps 3-4 exactly."""
+    out = killed_and_resumed[3]
+    newest = out / "checkpoints" / "step_000004"
+    victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(data)
+    code, output = _run(_overrides(prompts, out, **{**FOUR_STEPS, "trainer.total_steps": 5}) + ["--no-export"])
+    assert code == 0, output[-3000:]
+    assert f"skipping checkpoint {newest}: {victim.relative_to(newest)} does not match its checksum" in output, output
+    assert "resumed from" in output and "(step 2)" in output, output[-3000:]
+    again = {m["step"]: m for m in _metrics(out)[-3:]}
+    assert sorted(again) == [3, 4, 5]
+    _assert_same_steps(again, separate_pools, (3, 4))
+
+
+def test_one_step_off_trains_on_batches_one_version_old_while_generating_the_next(separate_pools, prompts,
+                                                                                  tmp_path):
+    """rollout.mode=one_step_off on the separate pools: step 1 trains on the same first batch as the
+    synchronous run (identical metrics), every later batch was generated by the weights one update
+    older (version lag exactly 1), and the timeline shows the next batch generated while a step
+    trains (between the end of its wait for a batch and the start of its weight sync)."""
+    from megarl.metrics import read_timeline
+
+    code, output = _run(_overrides(prompts, tmp_path, **SEPARATE, **{"rollout.mode": "one_step_off"}) + ["--no-export"])
+    assert code == 0, output[-3000:]
+    steps = {m["step"]: m for m in _metrics(tmp_path)}
+    _assert_same_steps(steps, separate_pools, (1,))
+    assert [steps[k]["rollout/version_lag_max"] for k in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert [steps[k]["rollout/version_lag/1"] for k in (2, 3, 4)] == [32, 32, 32]  # 8 prompts x 4 samples
+    events = read_timeline(tmp_path / "timeline.json")
+    for step in (2, 3):
+        phase = {e["name"]: e for e in events if e["lane"] == "controller" and e["args"]["step"] == step}
+        training = (phase["generate"]["ts"] + phase["generate"]["dur"], phase["sync"]["ts"])
+        [generation] = [e for e in events if e["lane"] == "rollout" and e["args"]["step"] == step + 1]
+        assert training[0] <= generation["ts"] < training[1], (training, generation)
 
 
 def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_path):

@@ -373,3 +373,10 @@ def test_sft_mode_trains_the_actor_alone_within_the_model_positions(data_file):
     config = load_config(sft, [f"data.train_files=[{data_file}]"], mode="sft")
     assert (config.actor.policy_loss, config.rollout.n, config.shared_prompt_rows) == ("sft", 1, False)
     assert config.data.max_prompt_length + config.max_response_length == config.sft.max_length
+
+
+def test_one_step_off_needs_engines_on_their_own_pool(problems):
+    line = _one(problems("rollout.mode=one_step_off"))
+    assert line.startswith('rollout.mode="one_step_off": generation overlaps training only on engines with ranks of '
+                           "their own"), line
+    assert "rollout.placement=separate" in line

@@ -1,0 +1,42 @@
+"""Fault injection for tests and soak runs, inert unless ``MEGARL_FAULTS`` is set.
+
+``MEGARL_FAULTS="kill_engine@2,kill_engine@5"``: each entry fires once in the driver, at the
+named (1-based) step. ``kill_engine@k`` SIGKILLs the processes of engine 0 just before step k's
+generation asks it for samples, as a crash would; the run must restart the engine, resync it and
+retry its requests (``Trainer.generate``). The faults are real (a process is killed), only their
+timing is chosen.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_VAR = "MEGARL_FAULTS"
+KINDS = ("kill_engine",)
+
+
+def planned_faults(spec: str | None = None) -> set[tuple[str, int]]:
+    """The (kind, step) entries of ``spec`` (default: ``$MEGARL_FAULTS``); ValueError naming a bad one."""
+    spec = os.environ.get(ENV_VAR, "") if spec is None else spec
+    faults = set()
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        kind, _, step = entry.partition("@")
+        if kind not in KINDS or not step.isdigit():
+            raise ValueError(f"{ENV_VAR}: {entry!r} is not <kind>@<step> with a kind of {list(KINDS)}, "
+                             "e.g. kill_engine@2; unset it for a normal run")
+        faults.add((kind, int(step)))
+    return faults
+
+
+class FaultPlan:
+    """The faults still to fire in this process."""
+
+    def __init__(self, spec: str | None = None):
+        self.pending = planned_faults(spec)
+
+    def fire(self, kind: str, step: int) -> bool:
+        """True once for each planned (kind, step)."""
+        if (kind, step) in self.pending:
+            self.pending.discard((kind, step))
+            return True
+        return False
