@@ -28,24 +28,6 @@ from typing import Callable
 from megarl.agent.sandbox import ERROR_KINDS, ToolLimits, ToolResult, run_python, too_long
 from megarl.rewards.registry import load_reward_function
 
-__all__ = [
-    "BUILTIN_TOOLS",
-    "ERROR_KINDS",
-    "TOOL_CALL_FORMATS",
-    "CalculatorTool",
-    "FunctionTool",
-    "PythonTool",
-    "Tool",
-    "ToolCall",
-    "ToolLimits",
-    "ToolRegistry",
-    "ToolResult",
-    "calculate",
-    "check_arguments",
-    "parse_tool_calls",
-    "tool_schema",
-]
-
 _MAX_CONCURRENT_CALLS = 8  # call_all's thread pool width
 
 
