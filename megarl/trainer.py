@@ -243,8 +243,9 @@ class Trainer:
                 rank, size, address, port, threads, group=pool) for rank in range(size)]
         self.role_workers = {role: self.groups[cfg.pool_for(role)] for role in cfg.megatron_roles}
         self.workers = self.role_workers["actor"]
-        built = ray.get([w.setup.remote(spec, cfg.trainer.seed) for spec in self.model_specs()
-                         for w in self.role_workers[spec.role]])
+        specs = self.model_specs()
+        built = self.gather([w.setup.remote(spec, cfg.trainer.seed) for spec in specs for w in self.role_workers[spec.role]],
+                            [name for spec in specs for name in self._worker_names(spec.role)], "model setup")
         self.actor_layer_spec = built[0]["layer_spec"]  # model_specs()[0] is the actor's
         self.hf_config = HFCheckpoint(self.model_dir).config
         pools = "; ".join(f"pool {pool!r}: {len(self.groups[pool])} rank(s) of {'+'.join(roles)} "
@@ -336,17 +337,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ worker calls
 
+    def gather(self, refs: list, who: list[str], phase: str) -> list:
+        """``gather`` within ``trainer.phase_timeout_s``, errors ending with how to resume."""
+        return gather(refs, who, phase, self.cfg.trainer.phase_timeout_s, self._resume_hint())
+
+    def _resume_hint(self) -> str:
+        found = self.checkpoints()
+        return (f"The newest complete checkpoint is {found[-1]}: run the same command to resume from it" if found
+                else "No checkpoint was saved yet")
+
+    def _worker_names(self, role: str | None = None) -> list[str]:
+        """How errors name the Megatron workers of ``role`` (default: all), in ``_call_workers`` order."""
+        pools = [self.cfg.pool_for(role)] if role else list(self.groups)
+        return [f"Megatron rank {rank} of pool {pool!r}" for pool in pools for rank in range(len(self.groups[pool]))]
+
     def _call_workers(self, method: str, *args, role: str | None = None) -> list:
         """``method`` on every rank of ``role``'s group (default: every Megatron worker), in lockstep."""
-        import ray
-
         workers = self.role_workers[role] if role else [w for group in self.groups.values() for w in group]
-        return ray.get([getattr(w, method).remote(*args) for w in workers])
+        return self.gather([getattr(w, method).remote(*args) for w in workers], self._worker_names(role), method)
 
     def _call_engines(self, method: str, *args) -> list:
-        import ray
-
-        return ray.get([getattr(e, method).remote(*args) for e in self.engines])
+        return self.gather([getattr(e, method).remote(*args) for e in self.engines],
+                           [f"SGLang engine {e}" for e in range(len(self.engines))], method)
 
     def engines_hold_memory(self, hold: bool) -> None:
         """Hybrid engine on GPUs: colocated engines free their weights and KV cache while Megatron
@@ -366,7 +378,7 @@ class Trainer:
                    for key, (role, _) in wanted.items()}
         outputs = {}
         for key, refs in pending.items():
-            parts = [p for p in ray.get(refs) if p is not None]
+            parts = [p for p in self.gather(refs, self._worker_names(wanted[key][0]), f"forward ({key})") if p is not None]
             order = torch.cat([p["rows"] for p in parts]).argsort()
             outputs[key] = torch.cat([p[wanted[key][1]] for p in parts])[order]
         return outputs
@@ -597,10 +609,10 @@ class Trainer:
                     mask = response_mask(mini)
                     counts = {"tokens": float(mask.sum()), "sequences": float((mask.sum(-1) > 0).sum())}
                     shared = ray.put(mini)  # serialized once for every rank
-                    calls.append([w.update.remote(role, shared, counts) for w in self.role_workers[role]])
+                    calls.append((role, [w.update.remote(role, shared, counts) for w in self.role_workers[role]]))
         seen: dict[str, list[float]] = {}
-        for refs in calls:
-            for key, value in ray.get(refs)[0].items():
+        for role, refs in calls:
+            for key, value in self.gather(refs, self._worker_names(role), f"update ({role})")[0].items():
                 seen.setdefault(key, []).append(value)
         return {key: sum(values) / len(values) for key, values in seen.items()}
 
@@ -609,8 +621,6 @@ class Trainer:
 
         Colocated, engine e's rank r is assembled on device e * tp + r; on a separate pool each
         SGLang rank's shards are assembled once on a trainer device and every engine reads them."""
-        import ray
-
         tp = self.cfg.rollout.tp
         # colocated CPU engines read the shards straight from the workers' shared memory
         staged = self.cfg.rollout.placement == "colocated" and self.cfg.cluster.device == "cpu"
@@ -622,7 +632,8 @@ class Trainer:
         else:
             [(_, shards)] = rounds
             arguments = [shards[e * tp:(e + 1) * tp] for e in range(len(self.engines))]
-        results = ray.get([engine.update_weights.remote(*args) for engine, args in zip(self.engines, arguments)])
+        results = self.gather([engine.update_weights.remote(*args) for engine, args in zip(self.engines, arguments)],
+                              [f"SGLang engine {e}" for e in range(len(self.engines))], "weight sync")
         return {"sync/bytes": sum(r["bytes"] for r in results), "sync/buckets": results[0]["buckets"],
                 "sync/push_s": max(r["push_s"] for r in results), "sync/verify_s": max(r["verify_s"] for r in results)}
 
@@ -799,6 +810,27 @@ class Trainer:
             self.rewards.close()
         if ray.is_initialized():
             ray.shutdown()
+
+
+def gather(refs: list, who: list[str], phase: str, timeout_s: float, then: str = "") -> list:
+    """The results of Ray ``refs`` (one per worker named in ``who``) within ``timeout_s``. A worker
+    that died, or that does not answer in time (a hang, e.g. a collective waiting for a dead rank),
+    raises RunError naming it and the phase, followed by ``then`` (what to do): never a silent hang."""
+    import ray
+
+    _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if late:
+        names = [name for name, ref in zip(who, refs) if ref in late]
+        raise RunError(f"{phase}: {', '.join(names)} did not finish within trainer.phase_timeout_s={timeout_s:g} s "
+                       f"({len(refs) - len(late)} of {len(refs)} did): a hang, e.g. a collective waiting for a dead "
+                       f"or stuck rank. {then}".strip())
+    results = []
+    for name, ref in zip(who, refs):
+        try:
+            results.append(ray.get(ref))
+        except ray.exceptions.RayActorError as exc:
+            raise RunError(f"{phase}: {name} died ({str(exc).strip().splitlines()[0]}). {then}".strip()) from exc
+    return results
 
 
 def _ready_placement_group(bundles: list[dict]):

@@ -401,6 +401,9 @@ class TrainerConfig(_Section):
     # every checkpoint file's checksum is recorded at save and checked before a resume (reads the
     # checkpoint once more each time); false: sizes only
     checkpoint_checksums: Bool = True
+    # the longest a phase (a model setup, forward, update or sync call on every rank) may take before
+    # the run stops naming the ranks that did not finish (a hang) instead of waiting forever
+    phase_timeout_s: Float = bounded(3600.0, gt=0, fix="use e.g. 3600 (raise it for very long steps)")
     # auto (latest in output_dir, if any) | none | a checkpoint path
     resume: str = bounded("auto", min_length=1, problem="must not be empty", fix="use auto, none or a checkpoint path")
     output_dir: str = bounded("runs/quickstart", min_length=1, problem="must not be empty", fix="use e.g. runs/my_run")
