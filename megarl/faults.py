@@ -1,10 +1,14 @@
 """Fault injection for tests and soak runs, inert unless ``MEGARL_FAULTS`` is set.
 
-``MEGARL_FAULTS="kill_engine@2,kill_engine@5"``: each entry fires once in the driver, at the
-named (1-based) step. ``kill_engine@k`` SIGKILLs the processes of engine 0 just before step k's
-generation asks it for samples, as a crash would; the run must restart the engine, resync it and
-retry its requests (``Trainer.generate``). The faults are real (a process is killed), only their
-timing is chosen.
+``MEGARL_FAULTS="kill_engine@2,checkpoint_enospc@4"``: each entry fires once in the driver, at
+the named (1-based) step.
+
+- ``kill_engine@k`` SIGKILLs the processes of engine 0 just before step k's generation asks it for
+  samples, as a crash would: the run must restart the engine, resync it and retry its requests
+  (``Trainer.generate``).
+- ``checkpoint_enospc@k`` makes step k's checkpoint save fail with ENOSPC after the workers wrote
+  their shards, as a full disk would: nothing of it may remain, the previous checkpoints must, and
+  the run stops saying so (``Trainer.save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import os
 
 ENV_VAR = "MEGARL_FAULTS"
-KINDS = ("kill_engine",)
+KINDS = ("kill_engine", "checkpoint_enospc")
 
 
 def planned_faults(spec: str | None = None) -> set[tuple[str, int]]:

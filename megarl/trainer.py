@@ -17,6 +17,7 @@ from the newest complete one. SIGTERM makes the driver save before it exits.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -717,6 +718,8 @@ class Trainer:
         try:
             with atomic_directory(target, partial=partial_dir(target)) as partial:
                 self._call_workers("save_checkpoint", str(partial))
+                if self.faults.fire("checkpoint_enospc", self.step):
+                    raise OSError(errno.ENOSPC, "No space left on device (injected: MEGARL_FAULTS)", str(partial))
                 state = {"step": self.step, "fingerprint": config_fingerprint(self.cfg), **self.run_state()}
                 (partial / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
                 write_manifest(partial, checksums=self.cfg.trainer.checkpoint_checksums)

@@ -1,15 +1,17 @@
 """`megarl sft` end to end on CPU (real Ray, Megatron workers), then a multi-turn GRPO run with
 tool calls that starts from its output (real SGLang engines):
 
-- SFT: the loss falls; the exported model loads in transformers and has a lower masked
-  cross-entropy on the training conversations than the initial model (HF's own computation);
-  a second invocation with more steps resumes from the last checkpoint;
+- SFT: the last checkpoint's save fails (MEGARL_FAULTS: ENOSPC): the run stops saying so, with
+  the previous checkpoint intact and nothing half-written; the same command resumes from it and
+  repeats the lost steps exactly; the loss falls; the exported model loads in transformers and has
+  a lower masked cross-entropy on the training conversations than the initial model (HF's own);
 - multi-turn GRPO from the SFT model: trajectories of several turns, tool calls and masked tool
   outputs in the saved rollouts; at step 1 the actor's log-probs of the policy's tokens equal the
   engines' (the tool tokens are left out by the loss mask).
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +24,10 @@ from tests.megarl.test_trainer import _kill_session, _metrics
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _megarl(command: str, config: str, overrides: dict, timeout_s: float = 600) -> tuple[int, str]:
+def _megarl(command: str, config: str, overrides: dict, timeout_s: float = 600, faults: str = "") -> tuple[int, str]:
     args = [sys.executable, "-m", "megarl.cli", command, str(ROOT / config)] + [f"{k}={v}" for k, v in overrides.items()]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "MEGARL_FAULTS": faults})
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     finally:
@@ -41,9 +43,11 @@ def sft_run(tmp_path_factory):
     write_synthetic_chat(root / "train.jsonl", 400, seed=0)
     overrides = {"data.train_files": f"[{root / 'train.jsonl'}]", "trainer.output_dir": str(root / "out"),
                  "trainer.loggers": "[console]", "trainer.total_steps": 24, "trainer.save_every": 12}
-    code, output = _megarl("sft", "configs/sft_chat_arith.yaml", overrides)
+    code, failed = _megarl("sft", "configs/sft_chat_arith.yaml", overrides, faults="checkpoint_enospc@24")
+    code_after_failure = code
+    code, output = _megarl("sft", "configs/sft_chat_arith.yaml", overrides)  # the same command, resumed
     assert code == 0, output[-3000:]
-    return root, overrides, output
+    return root, (code_after_failure, failed), output
 
 
 def _hf_masked_nll(model_dir: str, conversations: str) -> float:
@@ -63,18 +67,28 @@ def _hf_masked_nll(model_dir: str, conversations: str) -> float:
     return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)))
 
 
-def test_sft_loss_falls_export_loads_and_resume_continues(sft_run):
-    root, overrides, output = sft_run
-    nll = [m["actor/nll"] for m in _metrics(root / "out")]
+def test_sft_survives_a_failed_save_and_resumes_exactly(sft_run):
+    root, (code, failed), resumed = sft_run
+    checkpoints = root / "out" / "checkpoints"
+    assert code == 2, failed[-3000:]
+    assert (f"saving {checkpoints / 'step_000024'} failed ([Errno 28] No space left on device" in failed
+            and f"the newest complete checkpoint, {checkpoints / 'step_000012'}, is intact" in failed), failed[-3000:]
+    assert "resumed from" in resumed and "(step 12)" in resumed, resumed[-3000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000012", "step_000024"]  # no partial left
+    steps = [m["step"] for m in _metrics(root / "out")]
+    assert steps == list(range(1, 25)) + list(range(13, 25))
+    first, again = _metrics(root / "out")[12:24], _metrics(root / "out")[24:]
+    assert [m["actor/nll"] for m in again] == pytest.approx([m["actor/nll"] for m in first], rel=1e-5)
+
+
+def test_sft_loss_falls_and_the_export_loads(sft_run):
+    root, _, _ = sft_run
+    nll = [m["actor/nll"] for m in _metrics(root / "out")][:24]
     assert sum(nll[-3:]) / 3 < 0.6 * sum(nll[:3]) / 3, nll
     before = _hf_masked_nll(str(root / "out" / "initial_model"), str(root / "train.jsonl"))
     after = _hf_masked_nll(str(root / "out" / "hf_final"), str(root / "train.jsonl"))
     assert after < 0.6 * before, (before, after)
     assert abs(after - nll[-1]) < 0.3, (after, nll[-1])  # the exported weights are the trained ones
-    code, resumed = _megarl("sft", "configs/sft_chat_arith.yaml", {**overrides, "trainer.total_steps": 26})
-    assert code == 0, resumed[-3000:]
-    assert "resumed from" in resumed and "(step 24)" in resumed, resumed[-3000:]
-    assert [m["step"] for m in _metrics(root / "out")][-2:] == [25, 26]
 
 
 def test_multi_turn_grpo_from_the_sft_model_has_tool_calls_and_matching_logprobs(sft_run, arith_prompts, tmp_path):
