@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from megarl.data.dataset import _encode, _is_sentencepiece
-from megarl.data.io import get_field, read_records
+from megarl.data.dataset import _encode, _is_sentencepiece, data_rows
+from megarl.data.io import get_field
 
 logger = logging.getLogger(__name__)
 
@@ -281,9 +281,6 @@ class ChatDataset(Sequence[ChatSample]):
         if max_length is not None and max_length <= 0:
             raise ValueError(f"max_length must be > 0 or None, got {max_length}")
         _require_template(tokenizer, chat_template, "ChatDataset")
-        missing = [str(f) for f in files if not Path(f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"chat data file(s) do not exist: {missing}")
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.max_length = max_length
@@ -292,21 +289,16 @@ class ChatDataset(Sequence[ChatSample]):
         self.num_rows = 0
         self.num_dropped = 0
         lengths = []
-        for path in files:
-            rows = read_records(path)
-            if not rows:
-                raise ValueError(f"chat data file {str(path)!r} has no rows")
-            for row_no, row in enumerate(rows):
-                origin = f"{path}:row {row_no}"
-                self.num_rows += 1
-                messages = self._messages(row, messages_key, origin)
-                tools = self._tools(row, tools_key, origin) if tools_key is not None else None
-                ids, mask = render_chat(tokenizer, messages, chat_template=chat_template, tools=tools, origin=origin)
-                lengths.append(len(ids))
-                if max_length is not None and len(ids) > max_length:
-                    self.num_dropped += 1
-                    continue
-                samples.append(ChatSample(len(samples), ids, mask, origin))
+        for origin, row in data_rows(files, "chat"):
+            self.num_rows += 1
+            messages = self._messages(row, messages_key, origin)
+            tools = self._tools(row, tools_key, origin) if tools_key is not None else None
+            ids, mask = render_chat(tokenizer, messages, chat_template=chat_template, tools=tools, origin=origin)
+            lengths.append(len(ids))
+            if max_length is not None and len(ids) > max_length:
+                self.num_dropped += 1
+                continue
+            samples.append(ChatSample(len(samples), ids, mask, origin))
         if self.num_dropped:
             logger.warning(
                 "dropped %d of %d conversations longer than max_length=%d tokens (longest: %d)",

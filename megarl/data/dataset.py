@@ -20,7 +20,7 @@ import logging
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -70,6 +70,20 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
             ids = [tokenizer.bos_id()] + ids
         return ids
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def data_rows(files: Sequence[str | Path], what: str) -> Iterator[tuple[str, dict]]:
+    """``("file:row N", row)`` for every row of ``files``, which must exist and hold rows; ``what``
+    names the data in the errors ("prompt", "chat")."""
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{what} data file(s) do not exist: {missing}")
+    for path in files:
+        rows = read_records(path)
+        if not rows:
+            raise ValueError(f"{what} data file {str(path)!r} has no rows")
+        for row_no, row in enumerate(rows):
+            yield f"{path}:row {row_no}", row
 
 
 def _check_messages(prompt, origin: str, prompt_key: str) -> list[dict]:
@@ -136,33 +150,25 @@ class PromptDataset(Sequence[PromptSample]):
         self.tools = tools
         self.max_prompt_length = max_prompt_length
         self._use_chat_template = self._check_template()
-        missing = [str(f) for f in files if not Path(f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"prompt data file(s) do not exist: {missing}")
 
         samples: list[PromptSample] = []
         self.num_rows = 0
         self.num_dropped = 0
         longest_dropped = 0
         shortest = None
-        for path in files:
-            rows = read_records(path)
-            if not rows:
-                raise ValueError(f"prompt data file {str(path)!r} has no rows")
-            for row_no, row in enumerate(rows):
-                origin = f"{path}:row {row_no}"
-                self.num_rows += 1
-                sample = self._make_sample(
-                    row, origin, prompt_key, ground_truth_key, data_source_key, default_data_source, extra_info_key
-                )
-                n_tokens = len(sample.input_ids)
-                shortest = n_tokens if shortest is None else min(shortest, n_tokens)
-                if max_prompt_length is not None and n_tokens > max_prompt_length:
-                    self.num_dropped += 1
-                    longest_dropped = max(longest_dropped, n_tokens)
-                    continue
-                sample.index = len(samples)
-                samples.append(sample)
+        for origin, row in data_rows(files, "prompt"):
+            self.num_rows += 1
+            sample = self._make_sample(
+                row, origin, prompt_key, ground_truth_key, data_source_key, default_data_source, extra_info_key
+            )
+            n_tokens = len(sample.input_ids)
+            shortest = n_tokens if shortest is None else min(shortest, n_tokens)
+            if max_prompt_length is not None and n_tokens > max_prompt_length:
+                self.num_dropped += 1
+                longest_dropped = max(longest_dropped, n_tokens)
+                continue
+            sample.index = len(samples)
+            samples.append(sample)
         if self.num_dropped:
             logger.warning(
                 "dropped %d of %d prompts longer than max_prompt_length=%d tokens (longest: %d)",
