@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -173,13 +173,13 @@ class Trainer:
         self._stop_requested = False
         self.step = 0
         self.timeline = Timeline(self.out / TIMELINE_FILE)
-        # rollout.mode=one_step_off: the next step's generation, running while this step trains,
-        # and the data position before its prompts were drawn (what a checkpoint resumes from)
-        self._next_rollout: Future | None = None
         try:
             self.faults = FaultPlan()
         except ValueError as exc:
             raise RunError(str(exc)) from None
+        # rollout.mode=one_step_off: the next step's generation, running while this step trains,
+        # and the data position before its prompts were drawn (what a checkpoint resumes from)
+        self._next_rollout: Future | None = None
         self._data_state_before_next: dict | None = None
         self._build_data()
         self._start_workers()
@@ -340,7 +340,7 @@ class Trainer:
 
     def gather(self, refs: list, who: list[str], phase: str) -> list:
         """``gather`` within ``trainer.phase_timeout_s``, errors ending with how to resume."""
-        return gather(refs, who, phase, self.cfg.trainer.phase_timeout_s, self._resume_hint())
+        return gather(refs, who, phase, self.cfg.trainer.phase_timeout_s, self._resume_hint)
 
     def _resume_hint(self) -> str:
         found = self.checkpoints()
@@ -352,14 +352,16 @@ class Trainer:
         pools = [self.cfg.pool_for(role)] if role else list(self.groups)
         return [f"Megatron rank {rank} of pool {pool!r}" for pool in pools for rank in range(len(self.groups[pool]))]
 
+    def _engine_names(self) -> list[str]:
+        return [f"SGLang engine {e}" for e in range(len(self.engines))]
+
     def _call_workers(self, method: str, *args, role: str | None = None) -> list:
         """``method`` on every rank of ``role``'s group (default: every Megatron worker), in lockstep."""
         workers = self.role_workers[role] if role else [w for group in self.groups.values() for w in group]
         return self.gather([getattr(w, method).remote(*args) for w in workers], self._worker_names(role), method)
 
     def _call_engines(self, method: str, *args) -> list:
-        return self.gather([getattr(e, method).remote(*args) for e in self.engines],
-                           [f"SGLang engine {e}" for e in range(len(self.engines))], method)
+        return self.gather([getattr(e, method).remote(*args) for e in self.engines], self._engine_names(), method)
 
     def engines_hold_memory(self, hold: bool) -> None:
         """Hybrid engine on GPUs: colocated engines free their weights and KV cache while Megatron
@@ -634,7 +636,7 @@ class Trainer:
             [(_, shards)] = rounds
             arguments = [shards[e * tp:(e + 1) * tp] for e in range(len(self.engines))]
         results = self.gather([engine.update_weights.remote(*args) for engine, args in zip(self.engines, arguments)],
-                              [f"SGLang engine {e}" for e in range(len(self.engines))], "weight sync")
+                              self._engine_names(), "weight sync")
         return {"sync/bytes": sum(r["bytes"] for r in results), "sync/buckets": results[0]["buckets"],
                 "sync/push_s": max(r["push_s"] for r in results), "sync/verify_s": max(r["verify_s"] for r in results)}
 
@@ -815,10 +817,11 @@ class Trainer:
             ray.shutdown()
 
 
-def gather(refs: list, who: list[str], phase: str, timeout_s: float, then: str = "") -> list:
+def gather(refs: list, who: list[str], phase: str, timeout_s: float, then: Callable[[], str] = str) -> list:
     """The results of Ray ``refs`` (one per worker named in ``who``) within ``timeout_s``. A worker
     that died, or that does not answer in time (a hang, e.g. a collective waiting for a dead rank),
-    raises RunError naming it and the phase, followed by ``then`` (what to do): never a silent hang."""
+    raises RunError naming it and the phase, followed by ``then()`` (what to do, asked only then):
+    never a silent hang."""
     import ray
 
     _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -826,13 +829,13 @@ def gather(refs: list, who: list[str], phase: str, timeout_s: float, then: str =
         names = [name for name, ref in zip(who, refs) if ref in late]
         raise RunError(f"{phase}: {', '.join(names)} did not finish within trainer.phase_timeout_s={timeout_s:g} s "
                        f"({len(refs) - len(late)} of {len(refs)} did): a hang, e.g. a collective waiting for a dead "
-                       f"or stuck rank. {then}".strip())
+                       f"or stuck rank. {then()}".strip())
     results = []
     for name, ref in zip(who, refs):
         try:
             results.append(ray.get(ref))
         except ray.exceptions.RayActorError as exc:
-            raise RunError(f"{phase}: {name} died ({str(exc).strip().splitlines()[0]}). {then}".strip()) from exc
+            raise RunError(f"{phase}: {name} died ({str(exc).strip().splitlines()[0]}). {then()}".strip()) from exc
     return results
 
 

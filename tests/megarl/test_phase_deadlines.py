@@ -31,7 +31,7 @@ def test_a_stuck_or_dead_rank_is_named_with_the_phase(ranks):
     assert len(set(pids)) == 2
     start = time.monotonic()
     with pytest.raises(RunError) as stuck:
-        gather([ranks[0].work.remote(0), ranks[1].work.remote(30)], names, "update (actor)", 2, "Resume with X.")
+        gather([ranks[0].work.remote(0), ranks[1].work.remote(30)], names, "update (actor)", 2, lambda: "Resume with X.")
     assert time.monotonic() - start < 10
     assert str(stuck.value).startswith("update (actor): Megatron rank 1 of pool 'global' did not finish within "
                                        "trainer.phase_timeout_s=2 s (1 of 2 did)")
