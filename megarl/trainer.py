@@ -114,7 +114,8 @@ def weight_sync_rounds(cfg: RunConfig, hf_config: dict, layer_spec: str = "local
     rounds = separate_pool_rounds(world, tp) if cfg.rollout.placement == "separate" else [None]
     element_size = torch.tensor([], dtype=_dtype(cfg.model.dtype)).element_size()
     plans = [(ranks, plan_megatron_to_sglang(hf_config, cfg.actor.layout.to_megatron(), world, tp,
-                                             engine_ranks=ranks, element_size=element_size, layer_spec=layer_spec))
+                                             engine_ranks=ranks, element_size=element_size, layer_spec=layer_spec,
+                                             rollout_ep=cfg.rollout.ep))
              for ranks in rounds]
     for _, plan in plans:
         plan.check()
@@ -266,7 +267,7 @@ class Trainer:
         world = cfg.world_size_for("actor")
         gpu = cfg.cluster.device == "gpu"
         r = cfg.rollout
-        engine_kwargs: dict[str, Any] = {"random_seed": cfg.trainer.seed}
+        engine_kwargs: dict[str, Any] = {"random_seed": cfg.trainer.seed, "ep_size": r.ep}
         if gpu:
             engine_kwargs["mem_fraction_static"] = r.mem_fraction_static
         else:  # each engine rank gets a Megatron rank's share of the cores; without this it would

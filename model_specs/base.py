@@ -180,11 +180,11 @@ def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool, layer
         ]
     else:
         # Experts split over expert-parallel ranks (whole experts) and, inside one, over expert-TP
-        # ranks as a dense MLP over TP. SGLang names: left for the expert resharding (SGLang fuses
-        # the experts of a layer into one tensor, which per-expert rules cannot name).
+        # ranks as a dense MLP over TP. SGLang fuses a layer's experts into stacked tensors, which
+        # per-expert rules cannot name: parallel.reshard.shards maps those (sglang None here).
         expert = f"{layer}.mlp.experts.local_experts.{{expert}}"
         rules += [
-            WeightRule(f"{layer}.mlp.router.weight", (moe.router,), "replicated"),
+            WeightRule(f"{layer}.mlp.router.weight", (moe.router,), "replicated", moe.router),
             WeightRule(f"{expert}.linear_fc1.weight", (f"{moe.expert}.{moe.gate}", f"{moe.expert}.{moe.up}"), "gate_up"),
             WeightRule(f"{expert}.linear_fc2.weight", (f"{moe.expert}.{moe.down}",), "row"),
         ]
@@ -222,6 +222,9 @@ class ModelFamily:
     # An MoE family's HF norm_topk_prob semantics: renormalise the top-k routing probabilities to
     # sum to 1 (Mixtral always; Qwen3-MoE as its config says), read from the config by this.
     normalized_topk: Callable[[Mapping[str, Any]], bool] = lambda cfg: True
+    # Whether SGLang's model class of the family reads tie_word_embeddings (its MoE classes keep
+    # a separate lm_head that a tied checkpoint would leave unloaded).
+    sglang_tied_embeddings: bool = True
 
     def validate(self, hf: Mapping[str, Any]) -> None:
         """Refuse configs this family cannot represent exactly."""

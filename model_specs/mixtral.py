@@ -9,4 +9,5 @@ MIXTRAL = ModelFamily(
     moe=MoeWeights(router="model.layers.{layer}.block_sparse_moe.gate.weight",
                    expert="model.layers.{layer}.block_sparse_moe.experts.{expert}",
                    gate="w1.weight", up="w3.weight", down="w2.weight", ffn_field="intermediate_size"),
+    sglang_tied_embeddings=False,
 )

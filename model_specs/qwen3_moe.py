@@ -10,5 +10,6 @@ QWEN3_MOE = ModelFamily(
     moe=MoeWeights(router="model.layers.{layer}.mlp.gate.weight", expert="model.layers.{layer}.mlp.experts.{expert}",
                    gate="gate_proj.weight", up="up_proj.weight", down="down_proj.weight",
                    ffn_field="moe_intermediate_size"),
+    sglang_tied_embeddings=False,
     normalized_topk=lambda hf: bool(hf.get("norm_topk_prob", False)),  # transformers' default
 )

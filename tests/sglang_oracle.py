@@ -49,12 +49,15 @@ ARCHITECTURE_MODULES = {
     "Qwen2ForCausalLM": "sglang.srt.models.qwen2",
     "Qwen3ForCausalLM": "sglang.srt.models.qwen3",
     "MistralForCausalLM": "sglang.srt.models.mistral",
+    "Qwen3MoeForCausalLM": "sglang.srt.models.qwen3_moe",
+    "MixtralForCausalLM": "sglang.srt.models.mixtral",
 }
 
 # Groups SGLang's models and layers read through get_parallel(); which of them have width tp_size
-# (the rest are width 1: no expert/context/pipeline parallelism).
-_TP_WIDE_GROUPS = ("world_group", "tp_group", "attn_tp_group", "moe_tp_group", "shared_experts_tp_group")
-_SINGLETON_GROUPS = ("moe_ep_group", "moe_dp_group", "attn_cp_group", "pp_group")
+# (the expert groups split it: moe_ep_group ep_size wide, moe_tp_group tp_size / ep_size; the rest
+# are width 1: no context/pipeline parallelism).
+_TP_WIDE_GROUPS = ("world_group", "tp_group", "attn_tp_group", "shared_experts_tp_group")
+_SINGLETON_GROUPS = ("moe_dp_group", "attn_cp_group", "pp_group")
 
 
 def sglang_rank_parameters(hf_dir: str | os.PathLike, tp_size: int, rank: int) -> dict[str, torch.Tensor]:
@@ -71,34 +74,35 @@ def sglang_rank_parameters(hf_dir: str | os.PathLike, tp_size: int, rank: int) -
     return {k: v.clone() for k, v in sglang_all_rank_parameters(hf_dir, tp_size)[rank].items()}
 
 
-def sglang_all_rank_parameters(hf_dir: str | os.PathLike, tp_size: int) -> list[dict[str, torch.Tensor]]:
-    """:func:`sglang_rank_parameters` for every rank (index = rank). Cached per checkpoint state:
-    do not modify the returned tensors."""
-    return sglang_oracle_batch([(hf_dir, tp_size)])[0]
+def sglang_all_rank_parameters(hf_dir: str | os.PathLike, tp_size: int, ep_size: int = 1) -> list[dict[str, torch.Tensor]]:
+    """:func:`sglang_rank_parameters` for every rank (index = rank); an MoE model's experts under
+    SGLang's expert parallelism ``ep_size`` (``--ep-size``, inside the TP group). Cached per
+    checkpoint state: do not modify the returned tensors."""
+    return sglang_oracle_batch([(hf_dir, tp_size, ep_size)])[0]
 
 
 _CACHE: dict[tuple, list[dict[str, torch.Tensor]]] = {}
 
 
-def sglang_oracle_batch(requests: list[tuple[str | os.PathLike, int]]) -> list[list[dict[str, torch.Tensor]]]:
-    """:func:`sglang_all_rank_parameters` for each ``(hf_dir, tp_size)``; the uncached ones are
-    computed together in ONE oracle process, so SGLang's imports (~10 s) are paid once, not per
-    request."""
-    keys = [_cache_key(hf_dir, tp_size) for hf_dir, tp_size in requests]
+def sglang_oracle_batch(requests: list[tuple]) -> list[list[dict[str, torch.Tensor]]]:
+    """:func:`sglang_all_rank_parameters` for each ``(hf_dir, tp_size)`` or ``(hf_dir, tp_size,
+    ep_size)``; the uncached ones are computed together in ONE oracle process, so SGLang's imports
+    (~10 s) are paid once, not per request."""
+    keys = [_cache_key(*request) for request in requests]
     missing = list(dict.fromkeys(key for key in keys if key not in _CACHE))
     if missing:
-        _CACHE.update(zip(missing, _run_oracle([(hf_dir, tp_size) for hf_dir, tp_size, _ in missing])))
+        _CACHE.update(zip(missing, _run_oracle([(hf_dir, tp_size, ep_size) for hf_dir, tp_size, ep_size, _ in missing])))
     return [_CACHE[key] for key in keys]
 
 
-def _cache_key(hf_dir: str | os.PathLike, tp_size: int) -> tuple:
+def _cache_key(hf_dir: str | os.PathLike, tp_size: int, ep_size: int = 1) -> tuple:
     hf_dir = os.path.realpath(hf_dir)
     stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size)
                          for p in Path(hf_dir).iterdir() if p.suffix in (".safetensors", ".json")))
-    return hf_dir, int(tp_size), stamp
+    return hf_dir, int(tp_size), int(ep_size), stamp
 
 
-def _run_oracle(requests: list[tuple[str, int]]) -> list[list[dict[str, torch.Tensor]]]:
+def _run_oracle(requests: list[tuple[str, int, int]]) -> list[list[dict[str, torch.Tensor]]]:
     from megarl.rollout.engine import child_env
 
     env = child_env()
@@ -155,7 +159,7 @@ def _hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _build_rank(hf_dir: str, tp_size: int, rank: int, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _build_rank(hf_dir: str, tp_size: int, ep_size: int, rank: int, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     import importlib
 
     from sglang.srt.configs.model_config import ModelConfig
@@ -165,13 +169,18 @@ def _build_rank(hf_dir: str, tp_size: int, rank: int, hf: dict[str, torch.Tensor
 
     parallel = get_parallel()
     parallel.clear_stamp()
-    server_args = ServerArgs(model_path=hf_dir, device="cpu", tp_size=tp_size, dtype="float32",
+    server_args = ServerArgs(model_path=hf_dir, device="cpu", tp_size=tp_size, ep_size=ep_size, dtype="float32",
                              skip_tokenizer_init=True)
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=rank))
+    moe_tp_size = tp_size // ep_size  # SGLang's moe_tp group: consecutive blocks of the TP group
     parallel.override_permanently(
         **{g: _fake_group(g, rank, tp_size) for g in _TP_WIDE_GROUPS},
+        moe_ep_group=_fake_group("moe_ep_group", rank // moe_tp_size, ep_size),
+        moe_tp_group=_fake_group("moe_tp_group", rank % moe_tp_size, moe_tp_size),
         **{g: _fake_group(g, 0, 1) for g in _SINGLETON_GROUPS})
     assert (parallel.tp_rank, parallel.tp_size) == (rank, tp_size), (parallel.tp_rank, parallel.tp_size)
+    assert (parallel.moe_ep_rank, parallel.moe_ep_size) == (rank // moe_tp_size, ep_size), \
+        (parallel.moe_ep_rank, parallel.moe_ep_size)
 
     model_config = ModelConfig.from_server_args(server_args)
     archs = model_config.hf_config.architectures or []
@@ -187,7 +196,7 @@ def _build_rank(hf_dir: str, tp_size: int, rank: int, hf: dict[str, torch.Tensor
     return params
 
 
-def _main(out: str, requests: list[tuple[str, int]]) -> None:
+def _main(out: str, requests: list[tuple[str, int, int]]) -> None:
     from parallel.cpu.sglang_stubs import install
 
     install()
@@ -195,11 +204,11 @@ def _main(out: str, requests: list[tuple[str, int]]) -> None:
     if os.environ.get("SGLANG_USE_CPU_ENGINE"):
         raise SystemExit("the SGLang oracle must run without SGLANG_USE_CPU_ENGINE")
     results = []
-    for hf_dir, tp_size in requests:
+    for hf_dir, tp_size, ep_size in requests:
         hf = _hf_tensors(hf_dir)
-        results.append([_build_rank(hf_dir, tp_size, r, hf) for r in range(tp_size)])
+        results.append([_build_rank(hf_dir, tp_size, ep_size, r, hf) for r in range(tp_size)])
     torch.save(results, out)
 
 
-if __name__ == "__main__":  # out.pt hf_dir tp_size [hf_dir tp_size ...]
-    _main(sys.argv[1], [(sys.argv[i], int(sys.argv[i + 1])) for i in range(2, len(sys.argv), 2)])
+if __name__ == "__main__":  # out.pt hf_dir tp_size ep_size [hf_dir tp_size ep_size ...]
+    _main(sys.argv[1], [(sys.argv[i], int(sys.argv[i + 1]), int(sys.argv[i + 2])) for i in range(2, len(sys.argv), 3)])

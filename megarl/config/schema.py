@@ -257,6 +257,9 @@ class RolloutConfig(_Section):
     placement: Literal["colocated", "separate"] = "colocated"
     pool: str | None = None  # the rollout's own pool when placement is separate
     tp: Int = bounded(1, ge=1, fix="use 1 or a divisor of the model's heads")
+    # SGLang's expert parallelism inside each engine's TP group (MoE models): ep blocks of tp/ep ranks,
+    # each holding num_experts/ep whole experts
+    ep: Int = bounded(1, ge=1, fix="use 1, or a divisor of rollout.tp and of the model's experts")
     # samples per prompt (the group size of group-based estimators)
     n: Int = bounded(4, ge=1, problem="samples per prompt must be >= 1", fix="use e.g. 8 for GRPO, 1 for PPO")
     temperature: Float = bounded(1.0, ge=0, problem="must be >= 0 (0 = greedy)", fix="use e.g. 1.0")

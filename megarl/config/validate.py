@@ -399,6 +399,11 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
                         else f"num_key_value_heads={kv} divisible by tp or tp by it (KV heads are split or replicated)")
                 p.add("rollout.tp", r.tp, f"SGLang needs num_attention_heads={heads} divisible by tp and {need}",
                       f"pick one of {[t for t in range(1, heads + 1) if fits(t)]}")
+            from parallel.reshard.shards import sglang_expert_problem
+
+            expert_problem = sglang_expert_problem(hf_config, r.tp, r.ep, cpu=cpu)
+            if expert_problem is not None:
+                p.add("rollout.ep", r.ep, *expert_problem)
 
 
 # What megarl.trainer.Trainer.advantages passes an advantage estimator (registry.ADVANTAGE_INPUTS

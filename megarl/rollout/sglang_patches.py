@@ -18,6 +18,7 @@ tokens as an uninterrupted one.
 
 The other patches: SGLang's weight checker hashes with
 :func:`megarl.rollout.weight_sync.weight_checksum` (what the trainer computes), the torch-native
+expert path computes a rank's own experts under expert parallelism (:func:`_patch_moe_native_module`), the torch-native
 attention backend batches its attention (:mod:`megarl.rollout.batched_attention`), the sampler
 samples by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and fp32 CPU linears run
 through oneDNN (:mod:`parallel.cpu.linear`).
@@ -34,6 +35,7 @@ from megarl.rollout.weight_sync import weight_checksum
 RESEED_RPC = "megarl_reseed"  # the Scheduler method SGLangEngine.reseed() calls on every rank
 _SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 _WEIGHT_CHECKER_MODULE = "sglang.srt.utils.weight_checker"
+_MOE_NATIVE_MODULE = "sglang.srt.layers.moe.fused_moe_native"
 RESEED_BUSY = "megarl_reseed: scheduler not idle"  # in the error of a scheduler that refused (busy)
 
 
@@ -71,6 +73,46 @@ def _patch_weight_checker_module(module) -> None:
     module._hash_tensor = weight_checksum
 
 
+def _patch_moe_native_module(module) -> None:
+    """SGLang's torch-native expert path (what its CPU engine runs without AMX kernels) assumes
+    every expert is on the rank: under expert parallelism the dispatcher marks the top-k slots of
+    other ranks' experts with id -1, which ``moe_forward_native`` indexes with. With such slots the
+    patched function computes this rank's experts only (:func:`_local_experts_forward`) and the
+    layer's all-reduce over the ranks adds the shares up, as SGLang's GPU kernels do."""
+    native = getattr(module, "moe_forward_native", None)
+    if native is None or getattr(native, "megarl_patched", False):
+        return
+
+    def moe_forward_native(layer, x, topk_output, moe_runner_config):
+        if (topk_output.topk_ids < 0).any():
+            return _local_experts_forward(layer, x, topk_output, moe_runner_config)
+        return native(layer, x, topk_output, moe_runner_config)
+
+    moe_forward_native.megarl_patched = True
+    module.moe_forward_native = moe_forward_native
+
+
+def _local_experts_forward(layer, x, topk_output, moe_runner_config):
+    """sum over a token's top-k slots held here of weight * w2 silu-gated(w13 x): SGLang's
+    native expert math for the unquantised SiLU experts megarl's families have."""
+    import torch
+    import torch.nn.functional as F
+
+    if moe_runner_config.activation != "silu" or moe_runner_config.gemm1_alpha is not None \
+            or getattr(layer, "w13_weight_bias", None) is not None or moe_runner_config.apply_router_weight_on_input:
+        raise NotImplementedError("megarl's expert-parallel CPU path computes unquantised SiLU experts without "
+                                  "biases; this layer is configured otherwise")
+    ids, weights = topk_output.topk_ids, topk_output.topk_weights
+    out = torch.zeros(x.shape[0], layer.w2_weight.shape[1], dtype=weights.dtype)
+    for expert in range(layer.w13_weight.shape[0]):
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        if token.numel():
+            gate, up = F.linear(x[token], layer.w13_weight[expert]).chunk(2, dim=-1)
+            expert_out = F.linear(F.silu(gate) * up, layer.w2_weight[expert])
+            out.index_add_(0, token, expert_out.to(weights.dtype) * weights[token, slot, None])
+    return out.to(x.dtype)
+
+
 class _PostImportPatch(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for one module it asks the finders after it for the spec and wraps
     the loader's ``exec_module`` so the module is patched right after it executes. Removes itself
@@ -98,7 +140,8 @@ class _PostImportPatch(importlib.abc.MetaPathFinder):
 
 def install_scheduler_patch() -> None:
     """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class,
-    hash with :func:`weight_checksum` in SGLang's weight checker, batch the torch-native backend's
+    hash with :func:`weight_checksum` in SGLang's weight checker, keep the torch-native expert path to
+a rank's own experts (:func:`_patch_moe_native_module`), batch the torch-native backend's
     attention (:mod:`megarl.rollout.batched_attention`), sample
     by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and run fp32 CPU linears through
     oneDNN (:mod:`parallel.cpu.linear`) in this process: now for a module
@@ -116,7 +159,7 @@ def install_scheduler_patch() -> None:
 
     for name, patch in ((_SCHEDULER_MODULE, _patch_scheduler_module),
                         (_WEIGHT_CHECKER_MODULE, _patch_weight_checker_module), (BACKEND_MODULE, patch_backend_module),
-                        (SAMPLER_MODULE, patch_sampler_module),
+                        (SAMPLER_MODULE, patch_sampler_module), (_MOE_NATIVE_MODULE, _patch_moe_native_module),
                         (SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module)):
         if name in sys.modules:
             patch(sys.modules[name])

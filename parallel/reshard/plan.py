@@ -32,6 +32,7 @@ from parallel.reshard.shards import (
     MegatronRank,
     box_intersection,
     box_volume,
+    extents_match,
     megatron_position,
     megatron_shards,
     sglang_shards,
@@ -89,7 +90,7 @@ class Plan:
         """Every destination element written exactly once, in bounds, extents equal."""
         boxes_of: dict[tuple[int, str], list[Box]] = defaultdict(list)  # grouped once, not per tensor
         for copy in self.copies:
-            if [b - a for a, b in copy.src_box] != [b - a for a, b in copy.dst_box]:
+            if not extents_match(copy.src_box, copy.dst_box):
                 raise ValueError(f"copy {copy} has different source and destination extents")
             boxes_of[(copy.dst, copy.dst_key)].append(copy.dst_box)
         for fill in self.zero_fills:
@@ -115,8 +116,11 @@ class Plan:
 
 
 def _translate(region: Box, piece_src: Box, piece_dst: Box) -> Box:
-    """``region`` (HF coordinates, inside ``piece_src``) in the local tensor's coordinates."""
-    return tuple((d0 + r0 - s0, d0 + r1 - s0) for (r0, r1), (s0, _), (d0, _) in zip(region, piece_src, piece_dst))
+    """``region`` (HF coordinates, inside ``piece_src``) in the local tensor's coordinates (a
+    destination's extra leading dimensions, an expert's slot, kept as they are)."""
+    lead = len(piece_dst) - len(piece_src)
+    return piece_dst[:lead] + tuple((d0 + r0 - s0, d0 + r1 - s0)
+                                    for (r0, r1), (s0, _), (d0, _) in zip(region, piece_src, piece_dst[lead:]))
 
 
 def megatron_device_positions(layout: MegatronLayout, world_size: int) -> dict[int, MegatronRank]:
@@ -143,9 +147,11 @@ def separate_pool_rounds(world_size: int, rollout_tp: int) -> list[dict[int, int
 def plan_megatron_to_sglang(
     hf: Mapping[str, object], layout: MegatronLayout, world_size: int, rollout_tp: int,
     engine_ranks: Mapping[int, int] | None = None, element_size: int = 4, layer_spec: str = "local",
+    rollout_ep: int = 1,
 ) -> Plan:
     """Plan the weight sync from a Megatron actor (``layout`` over ``world_size`` devices) into
-    SGLang shards of tensor parallelism ``rollout_tp``: ``engine_ranks`` maps each destination
+    SGLang shards of tensor parallelism ``rollout_tp`` (an MoE model's experts under expert
+    parallelism ``rollout_ep`` inside it): ``engine_ranks`` maps each destination
     device to the SGLang rank whose shards it receives (default: ``colocated_engine_ranks``).
     The copies' source keys are the actor's parameter names as its ``layer_spec`` names them."""
     source = megatron_shards(hf, layout, layer_spec=layer_spec)
@@ -156,7 +162,7 @@ def plan_megatron_to_sglang(
                 for piece in tensor.pieces:
                     if piece.hf is not None:
                         holders[piece.hf].append((device, (chunk_index, name), piece))
-    per_rank = sglang_shards(hf, rollout_tp)
+    per_rank = sglang_shards(hf, rollout_tp, rollout_ep)
     if engine_ranks is None:
         engine_ranks = colocated_engine_ranks(world_size, rollout_tp)
     destinations = {device: per_rank[rank] for device, rank in engine_ranks.items()}
@@ -236,7 +242,8 @@ def _make_run(src, src_key, dst, dst_key, extents, src_side, dst_side) -> _Run:
     """A run over ``extents`` with size-1 dimensions dropped and dimensions that are contiguous
     on both sides merged, so a box of whole rows is one flat copy."""
     dims: list[tuple[int, int, int]] = []  # (extent, src stride, dst stride), outermost first
-    for n, ss, ds in zip(extents, src_side[0], dst_side[0]):
+    inner = len(extents)  # a side with more dimensions has extent 1 in its leading ones (an expert's slot)
+    for n, ss, ds in zip(extents, src_side[0][-inner:], dst_side[0][-inner:]):
         if n == 1:
             continue
         if dims and dims[-1][1] == n * ss and dims[-1][2] == n * ds:

@@ -26,7 +26,9 @@ Box = tuple[tuple[int, int], ...]  # per dimension [start, stop)
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """``dst`` box of the local tensor holds ``src`` box of canonical tensor ``hf`` (None: zeros)."""
+    """``dst`` box of the local tensor holds ``src`` box of canonical tensor ``hf`` (None: zeros).
+    ``dst`` may have more dimensions than ``src``: the extra, leading ones have extent 1 (one
+    expert's slot in a tensor that stacks a layer's experts, as SGLang's fused experts do)."""
 
     dst: Box
     hf: str | None
@@ -79,6 +81,12 @@ def full_box(shape) -> Box:
     return tuple((0, n) for n in shape)
 
 
+def extents_match(src: Box, dst: Box) -> bool:
+    """Whether ``dst`` has ``src``'s extents, after leading dimensions of extent 1 (see ``Piece``)."""
+    lead = len(dst) - len(src)
+    return lead >= 0 and [b - a for a, b in dst] == [1] * lead + [b - a for a, b in src]
+
+
 def box_intersection(a: Box, b: Box) -> Box | None:
     """The common region of two boxes, None if they do not overlap."""
     box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
@@ -98,7 +106,7 @@ def check_coverage(tensor: LocalTensor) -> None:
             not 0 <= a < b <= n for (a, b), n in zip(piece.dst, tensor.shape)
         ):
             raise ValueError(f"{tensor.name}: piece {piece} is outside shape {tensor.shape}")
-        if piece.hf is not None and [b - a for a, b in piece.dst] != [b - a for a, b in piece.src]:
+        if piece.hf is not None and not extents_match(piece.src, piece.dst):
             raise ValueError(f"{tensor.name}: piece {piece} has source and destination of different extents")
     covered = sum(box_volume(p.dst) for p in tensor.pieces)
     if covered != math.prod(tensor.shape):
@@ -282,8 +290,9 @@ def _sglang_qkv_pieces(hf_names, hf_shapes, tp_rank: int, tp: int, head_dim: int
     return (dst, *q_shape[1:]), pieces
 
 
-def validate_sglang_tp(hf: Mapping[str, Any], tp: int) -> None:
-    """SGLang's own asserts: heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)."""
+def validate_sglang_tp(hf: Mapping[str, Any], tp: int, ep: int = 1) -> None:
+    """SGLang's own asserts: heads % tp == 0 and (kv % tp == 0 or tp % kv == 0); for an MoE model
+    also ep divides tp and the experts, and the experts' intermediate size splits over tp / ep."""
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
     if tp < 1 or heads % tp or (kv % tp and tp % kv):
@@ -292,21 +301,86 @@ def validate_sglang_tp(hf: Mapping[str, Any], tp: int) -> None:
             f"heads % tp == 0 and (kv % tp == 0 or tp % kv == 0); pick tp from "
             f"{[t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]}"
         )
+    problem = sglang_expert_problem(hf, tp, ep)
+    if problem is not None:
+        raise ValueError(f"rollout ep={ep}: {problem[0]}; {problem[1]}")
 
 
-def sglang_shards(hf: Mapping[str, Any], tp: int) -> dict[int, dict[str, LocalTensor]]:
-    """For every SGLang TP rank, its parameters (SGLang names) as pieces of HF tensors."""
-    validate_sglang_tp(hf, tp)
-    if family_for(hf).moe is not None:
-        raise ValueError(f"model_type={hf['model_type']!r} is an MoE model: SGLang's expert weights are not mapped "
-                         "yet (megarl issue 24, item 4), so its weights cannot be synced to SGLang")
+# SGLang's CPU engine pads every intermediate size to a multiple of this times tp (its default MoE
+# padding, DEFAULT_MOE_PADDING_SIZE), a layout the weight sync does not write.
+SGLANG_CPU_FFN_MULTIPLE = 32
+
+
+def sglang_expert_problem(hf: Mapping[str, Any], tp: int, ep: int, cpu: bool = False) -> tuple[str, str] | None:
+    """What keeps SGLang from serving ``hf`` with expert parallelism ``ep`` inside TP ``tp`` (its
+    CPU engine when ``cpu``), as (problem, fix); None when nothing does. SGLang splits the TP group
+    into ep blocks of tp/ep ranks: ep divides tp and the experts, the experts' intermediate size
+    splits over tp/ep."""
+    family = family_for(hf)
+    if family.moe is None:
+        return None if ep == 1 else (f"expert parallelism needs an MoE model; model_type={hf['model_type']!r} "
+                                     "is dense", "use ep=1")
+    experts, field = num_experts(hf), family.moe.ffn_field
+    ffn = hf[field]
+    if hf.get("tie_word_embeddings") and not family.sglang_tied_embeddings:
+        return (f"tie_word_embeddings=True, and SGLang's {family.hf_architecture} has no tied embeddings (its "
+                "lm_head would stay unloaded)", "untie the checkpoint (write lm_head.weight as a copy of "
+                "model.embed_tokens.weight and set tie_word_embeddings=false)")
+
+    def fits(e: int) -> bool:
+        return tp % e == 0 and experts % e == 0 and ffn % (tp // e) == 0
+
+    if not fits(ep):
+        return (f"does not fit tp={tp}, num_experts={experts}, {field}={ffn}: SGLang runs expert parallelism "
+                f"inside the TP group, so ep must divide tp and num_experts, and {field} must split over "
+                f"tp / ep", f"pick ep from {[e for e in range(1, tp + 1) if fits(e)]}")
+    if cpu and ffn % (SGLANG_CPU_FFN_MULTIPLE * tp):
+        return (f"{field}={ffn} is not a multiple of {SGLANG_CPU_FFN_MULTIPLE} * tp={tp}: SGLang's CPU engine pads "
+                "the experts to that, a layout the weight sync does not write",
+                f"use tp from {[t for t in range(1, tp + 1) if ffn % (SGLANG_CPU_FFN_MULTIPLE * t) == 0]}")
+    return None
+
+
+def sglang_expert_rank(rank: int, tp: int, ep: int) -> tuple[int, int]:
+    """(expert-parallel rank, expert-TP rank) of SGLang TP rank ``rank``: SGLang splits a TP group
+    of ``tp`` into ``ep`` consecutive blocks of tp / ep ranks (``moe_ep_rank``, ``moe_tp_rank``)."""
+    return rank // (tp // ep), rank % (tp // ep)
+
+
+def _sglang_expert_tensors(hf: Mapping[str, Any], layer: int, rank: int, tp: int, ep: int,
+                           shapes: Mapping[str, tuple[int, ...]]) -> dict[str, LocalTensor]:
+    """SGLang's fused experts of one layer on TP rank ``rank``: ``w13_weight`` [local experts,
+    2 * ffn / (tp/ep), hidden] (per expert its gate rows then its up rows of the expert-TP rank) and
+    ``w2_weight`` [local experts, hidden, ffn / (tp/ep)]; EP rank p holds experts
+    [p * E/ep, (p+1) * E/ep)."""
+    moe = family_for(hf).moe
+    ep_rank, moe_tp_rank = sglang_expert_rank(rank, tp, ep)
+    local = num_experts(hf) // ep
+    prefix = moe.expert.format(layer=layer, expert="").rstrip(".")
+    pieces: dict[str, list[Piece]] = {}
+    expert_shapes: dict[str, tuple[int, ...]] = {}
+    for e in range(local):
+        expert = moe.expert.format(layer=layer, expert=ep_rank * local + e)
+        for name, kind, hf_names in ((f"{prefix}.w13_weight", "gate_up", (f"{expert}.{moe.gate}", f"{expert}.{moe.up}")),
+                                     (f"{prefix}.w2_weight", "row", (f"{expert}.{moe.down}",))):
+            expert_shapes[name], expert_pieces = rule_pieces(kind, hf_names, [shapes[n] for n in hf_names],
+                                                             moe_tp_rank, tp // ep, None)
+            pieces.setdefault(name, []).extend(dataclasses.replace(p, dst=((e, e + 1), *p.dst)) for p in expert_pieces)
+    return {name: LocalTensor(name, (local, *expert_shapes[name]), tuple(pieces[name])) for name in pieces}
+
+
+def sglang_shards(hf: Mapping[str, Any], tp: int, ep: int = 1) -> dict[int, dict[str, LocalTensor]]:
+    """For every SGLang TP rank, its parameters (SGLang names) as pieces of HF tensors; an MoE
+    model's experts as SGLang's fused ``w13_weight``/``w2_weight`` under expert parallelism ``ep``."""
+    validate_sglang_tp(hf, tp, ep)
+    family = family_for(hf)
     shapes = hf_tensor_shapes(hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     padded = sglang_vocab_rows(hf["vocab_size"], tp)
     result: dict[int, dict[str, LocalTensor]] = {}
     for rank in range(tp):
         tensors = {}
-        for rule in family_for(hf).weight_rules(hf):
+        for rule in family.weight_rules(hf):
             if rule.sglang is None:
                 continue
             for layer in range(hf["num_hidden_layers"]) if rule.per_layer else [None]:
@@ -317,6 +391,9 @@ def sglang_shards(hf: Mapping[str, Any], tp: int) -> dict[int, dict[str, LocalTe
                 else:
                     shape, pieces = rule_pieces(rule.kind, names, [shapes[n] for n in names], rank, tp, padded)
                 tensors[name] = LocalTensor(name, shape, tuple(pieces))
+        if family.moe is not None:
+            for layer in range(hf["num_hidden_layers"]):
+                tensors.update(_sglang_expert_tensors(hf, layer, rank, tp, ep, shapes))
         result[rank] = tensors
     return result
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 
-def reshard_megatron_to_sglang(hf_dir, layout_kwargs, rollout_tp, bucket_bytes):
+def reshard_megatron_to_sglang(hf_dir, layout_kwargs, rollout_tp, bucket_bytes, rollout_ep=1):
     """Load HF weights into real Megatron chunks at a layout, run this rank's part of the
     Megatron -> SGLang plan over gloo, and return (this device's SGLang tensors, traffic stats)."""
     from megatron.core import parallel_state
@@ -22,7 +22,7 @@ def reshard_megatron_to_sglang(hf_dir, layout_kwargs, rollout_tp, bucket_bytes):
     initialize_megatron(layout)
     chunks = build_model_chunks(ckpt.config, layout)
     load_hf_into_chunks(chunks, ckpt, layout)
-    plan = plan_megatron_to_sglang(ckpt.config, layout, dist.get_world_size(), rollout_tp)
+    plan = plan_megatron_to_sglang(ckpt.config, layout, dist.get_world_size(), rollout_tp, rollout_ep=rollout_ep)
     plan.check()
     device = dist.get_rank()
     sources = {(i, name): p.data for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}

@@ -13,7 +13,11 @@ from parallel.reshard.shards import hf_tensor_shapes, megatron_shards, sglang_sh
 
 LAYOUTS = {"tp1": (MegatronLayout(), 1), "tp2": (MegatronLayout(tp=2), 2), "tp2_pp2": (MegatronLayout(tp=2, pp=2), 4),
            "pp2_vpp2": (MegatronLayout(pp=2, vpp=2), 2), "tp2_dp2": (MegatronLayout(tp=2), 4)}
-MODELS = {"tiny-llama": {}, "tiny-qwen2": {}, "tiny-qwen2-untied": {}, "tiny-llama-tied": {}}
+MODELS = {"tiny-llama": {}, "tiny-qwen2": {}, "tiny-qwen2-untied": {}, "tiny-llama-tied": {}, "tiny-qwen3-moe": {}}
+SP = {"tp": 2, "sequence_parallel": True}
+MOE_LAYOUTS = {"ep1": (MegatronLayout(), 1), "ep2": (MegatronLayout(ep=2), 2), "ep2_tp2": (MegatronLayout(ep=2, **SP), 2),
+               "ep2_etp2_tp2": (MegatronLayout(ep=2, etp=2, **SP), 4), "ep2_pp2": (MegatronLayout(ep=2, pp=2), 4),
+               "ep2_dp2": (MegatronLayout(ep=2), 4)}
 
 
 class Tensors:
@@ -42,18 +46,22 @@ def materialise(local_tensors, hf_tensors):
 def cases():
     for model, overrides in MODELS.items():
         hf = hf_config_dict(model, **overrides)
-        for name, (layout, _world) in LAYOUTS.items():
+        moe = "moe" in model
+        for name, (layout, _world) in (MOE_LAYOUTS if moe else LAYOUTS).items():
             if hf["num_key_value_heads"] % layout.tp:
                 continue
-            for rollout_tp in (1, 2, 4):
-                yield pytest.param(model, name, rollout_tp, id=f"{model}-{name}-sglang_tp{rollout_tp}")
+            for rollout_tp, rollout_ep in ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4)) if moe else ((1, 1), (2, 1), (4, 1)):
+                yield pytest.param(model, name, rollout_tp, rollout_ep,
+                                   id=f"{model}-{name}-sglang_tp{rollout_tp}" + (f"_ep{rollout_ep}" if moe else ""))
 
 
-@pytest.mark.parametrize("model, layout_name, rollout_tp", list(cases()))
-def test_plan_covers_destinations_and_moves_the_minimum(model, layout_name, rollout_tp):
+@pytest.mark.parametrize("model, layout_name, rollout_tp, rollout_ep", list(cases()))
+def test_plan_covers_destinations_and_moves_the_minimum(model, layout_name, rollout_tp, rollout_ep):
+    """Also for an MoE model into SGLang's fused experts: each SGLang rank receives exactly the
+    bytes of its own experts (and expert-TP slices) that its co-located trainer rank lacks."""
     hf = hf_config_dict(model, **MODELS[model])
-    layout, world = LAYOUTS[layout_name]
-    plan = plan_megatron_to_sglang(hf, layout, world, rollout_tp)
+    layout, world = (MOE_LAYOUTS if "moe" in model else LAYOUTS)[layout_name]
+    plan = plan_megatron_to_sglang(hf, layout, world, rollout_tp, rollout_ep=rollout_ep)
     plan.check()
 
     # Independent minimum: per destination device, the HF elements it needs minus those its
@@ -76,8 +84,11 @@ def test_plan_covers_destinations_and_moves_the_minimum(model, layout_name, roll
                     region = held[piece.hf][tuple(slice(a, b) for a, b in piece.src)]
                     minimum += int((~region).sum()) * plan.element_size
     assert plan.network_bytes == minimum == plan.minimum_network_bytes
-    if rollout_tp == layout.tp and layout.pp == 1:
+    if rollout_tp == layout.tp and layout.pp == 1 and "moe" not in model:
         assert plan.network_bytes == 0  # equal TP, co-located: purely local copies
+    if (rollout_ep, rollout_tp // rollout_ep) == (layout.ep, layout.etp) and layout.pp == 1:
+        # the same expert split, co-located: no expert byte crosses the network
+        assert sum(c.nbytes for c in plan.copies if c.src != c.dst and ".experts." in c.dst_key) == 0
 
     # Executing the plan from Megatron shards gives exactly SGLang's shards of the same weights.
     hf_tensors = random_hf_tensors(hf)
@@ -90,7 +101,7 @@ def test_plan_covers_destinations_and_moves_the_minimum(model, layout_name, roll
     destinations = {device: {k: torch.full(t.shape, float("nan")) for k, t in tensors.items()}
                     for device, tensors in plan.destinations.items()}
     execute_plan_in_memory(plan, sources, destinations)
-    expected = sglang_shards(hf, rollout_tp)
+    expected = sglang_shards(hf, rollout_tp, rollout_ep)
     for device, tensors in destinations.items():
         reference = materialise(expected[device % rollout_tp], hf_tensors)
         for name, tensor in tensors.items():
@@ -187,19 +198,31 @@ def test_sglang_tp_that_does_not_fit_the_heads_is_refused():
         sglang_shards(hf_config_dict("tiny-llama"), 3)
 
 
-@pytest.mark.parametrize("layout_kwargs, world, rollout_tp", [({"tp": 2, "pp": 2}, 4, 2), ({"tp": 2}, 4, 4),
-                                                               ({"pp": 2, "vpp": 2}, 2, 2)])
-def test_plan_runs_over_gloo_from_real_megatron_shards(tmp_path, layout_kwargs, world, rollout_tp):
+@pytest.mark.parametrize("model, overrides, tp, ep, message", [
+    ("tiny-qwen3-moe", {}, 2, 4, r"rollout ep=4: does not fit tp=2.* pick ep from \[1, 2\]"),
+    ("tiny-qwen3-moe", {"num_experts": 6}, 4, 4, r"num_experts=6.* pick ep from \[1, 2\]"),
+    ("tiny-llama", {}, 2, 2, "rollout ep=2: expert parallelism needs an MoE model"),
+    ("tiny-mixtral", {}, 1, 1, "tie_word_embeddings=True, and SGLang.s MixtralForCausalLM has no tied embeddings"),
+])
+def test_sglang_expert_parallelism_that_does_not_fit_is_refused(model, overrides, tp, ep, message):
+    with pytest.raises(ValueError, match=message):
+        sglang_shards(hf_config_dict(model, **overrides), tp, ep)
+
+
+@pytest.mark.parametrize("model, layout_kwargs, world, rollout_tp, rollout_ep", [
+    ("tiny-qwen2-untied", {"tp": 2, "pp": 2}, 4, 2, 1), ("tiny-qwen2-untied", {"tp": 2}, 4, 4, 1),
+    ("tiny-qwen2-untied", {"pp": 2, "vpp": 2}, 2, 2, 1), ("tiny-qwen3-moe", {"ep": 2}, 2, 2, 1)])
+def test_plan_runs_over_gloo_from_real_megatron_shards(tmp_path, model, layout_kwargs, world, rollout_tp, rollout_ep):
     from model_specs.presets import save_tiny_hf_model
     from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.spawn import run_on_ranks
     from tests.parallel.reshard import rank_fns
 
-    hf_dir = save_tiny_hf_model("tiny-qwen2-untied", tmp_path / "hf", seed=5)
+    hf_dir = save_tiny_hf_model(model, tmp_path / "hf", seed=5)
     results = run_on_ranks(rank_fns.reshard_megatron_to_sglang, world, str(hf_dir), layout_kwargs, rollout_tp,
-                           4096, timeout_s=240)
+                           4096, rollout_ep, timeout_s=240)
     ckpt = HFCheckpoint(hf_dir)
-    expected = sglang_shards(ckpt.config, rollout_tp)
+    expected = sglang_shards(ckpt.config, rollout_tp, rollout_ep)
     for device, (buffers, _stats, _network_bytes) in enumerate(results):
         reference = materialise(expected[device % rollout_tp], {n: ckpt.read(n) for n in ckpt.names})
         assert buffers.keys() == reference.keys()

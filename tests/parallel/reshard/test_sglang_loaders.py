@@ -1,7 +1,8 @@
 """The resharding plan against SGLang's own loaders: for every family and layout, each SGLang
 TP rank's tensors produced by executing the plan from Megatron shards must equal, element for
 element, what SGLang's model class holds after its own load_weights of the same checkpoint.
-Every parameter is compared; none is skipped."""
+Every parameter is compared; none is skipped. MoE families: every Megatron EP/ETP/TP/PP layout
+into SGLang's fused experts at every (TP, EP) tried."""
 
 import pytest
 import torch
@@ -22,19 +23,32 @@ MODELS = {
     "tiny-qwen2-untied": {},                # qkv bias, untied, vocab 250
     "tiny-qwen3": {},                       # q/k norm, vocab 300
     "tiny-mistral": {},
+    "tiny-qwen3-moe": {},                   # 4 experts, expert ffn 32 (SGLang's MoE classes do not tie)
+    "tiny-mixtral": {"tie_word_embeddings": False},
 }
 LAYOUTS = {"tp1": (MegatronLayout(), 1), "tp2": (MegatronLayout(tp=2), 2),
            "tp2_pp2": (MegatronLayout(tp=2, pp=2), 4), "pp2_vpp2": (MegatronLayout(pp=2, vpp=2), 2)}
 
 
 ROLLOUT_TPS = (1, 2, 4)
+SP = {"tp": 2, "sequence_parallel": True}
+MOE_LAYOUTS = {"ep1": (MegatronLayout(), 1), "ep2": (MegatronLayout(ep=2), 2), "ep2_tp2": (MegatronLayout(ep=2, **SP), 2),
+               "ep2_etp2_tp2": (MegatronLayout(ep=2, etp=2, **SP), 4), "ep2_pp2": (MegatronLayout(ep=2, pp=2), 4)}
+MOE_ROLLOUTS = ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4))  # SGLang (TP, EP)
+
+
+def rollouts(model):
+    """(SGLang TP, EP) pairs and Megatron layouts tested for ``model``."""
+    if "moe" in model or "mixtral" in model:
+        return MOE_ROLLOUTS, MOE_LAYOUTS
+    return [(tp, 1) for tp in ROLLOUT_TPS], LAYOUTS
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     paths = {model: save_tiny_hf_model(model, tmp_path_factory.mktemp(model) / "hf", seed=21, **overrides)
              for model, overrides in MODELS.items()}
-    sglang_oracle_batch([(path, tp) for path in paths.values() for tp in ROLLOUT_TPS])  # one SGLang process
+    sglang_oracle_batch([(path, tp, ep) for model, path in paths.items() for tp, ep in rollouts(model)[0]])  # one process
     return paths
 
 
@@ -43,12 +57,13 @@ def test_planned_shards_equal_sglang_loaders(checkpoints, model):
     ckpt = HFCheckpoint(checkpoints[model])
     hf, hf_tensors = ckpt.config, ckpt.read_all()
     compared = 0
-    for rollout_tp in ROLLOUT_TPS:
-        oracle = sglang_all_rank_parameters(str(ckpt.path), rollout_tp)
-        for layout_name, (layout, world) in LAYOUTS.items():
+    pairs, layouts = rollouts(model)
+    for rollout_tp, rollout_ep in pairs:
+        oracle = sglang_all_rank_parameters(str(ckpt.path), rollout_tp, rollout_ep)
+        for layout_name, (layout, world) in layouts.items():
             if hf["num_key_value_heads"] % layout.tp:
                 continue  # megatron cannot split these KV heads
-            plan = plan_megatron_to_sglang(hf, layout, world, rollout_tp)
+            plan = plan_megatron_to_sglang(hf, layout, world, rollout_tp, rollout_ep=rollout_ep)
             plan.check()
             shards = megatron_shards(hf, layout)
             sources = {
@@ -61,8 +76,9 @@ def test_planned_shards_equal_sglang_loaders(checkpoints, model):
             execute_plan_in_memory(plan, sources, buffers)
             for device, tensors in buffers.items():
                 expected = oracle[device % rollout_tp]
-                assert tensors.keys() == expected.keys(), f"{layout_name}->tp{rollout_tp} device {device}"
+                case = f"{layout_name}->tp{rollout_tp}ep{rollout_ep} device {device}"
+                assert tensors.keys() == expected.keys(), case
                 for name, tensor in tensors.items():
-                    assert torch.equal(tensor, expected[name]), f"{layout_name}->tp{rollout_tp} rank {device}: {name}"
+                    assert torch.equal(tensor, expected[name]), f"{case}: {name}"
                     compared += 1
     assert compared > 0
