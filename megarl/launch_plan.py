@@ -39,6 +39,7 @@ from typing import Any
 
 from megarl.config.schema import TRAINED_ROLES, VALUE_ROLES, RunConfig
 from parallel.memory import (
+    DTYPE_BYTES,
     RUNTIME_RESERVE_BYTES,
     GiB,
     MemoryEstimate,
@@ -116,6 +117,8 @@ def _layout_text(layout) -> str:
         parts.append("sp")
     if layout.use_distributed_optimizer:
         parts.append("dist-opt")
+    if layout.ep > 1 or layout.etp > 1:
+        parts.append(f"ep={layout.ep} etp={layout.etp}")
     return " ".join(parts)
 
 
@@ -181,7 +184,8 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
     free = budget - RUNTIME_RESERVE_BYTES - pool.resident
     rm = rollout_memory(hf, r.tp, dtype=dtype, free_bytes=max(free, 0), mem_fraction_static=r.mem_fraction_static,
                         sequences_per_engine=sequences, tokens_per_sequence=seq)
-    roles.append(RolePlan("rollout", rollout_pool, rollout_world, f"SGLang tp={r.tp} ({r.placement})",
+    roles.append(RolePlan("rollout", rollout_pool, rollout_world,
+                          f"SGLang tp={r.tp}{f' ep={r.ep}' if r.ep > 1 else ''} ({r.placement})",
                           engines, f"{sequences} sequences/engine x {seq} tokens", rollout=rm, engines=engines))
 
     for pool in pools.values():
@@ -255,7 +259,10 @@ def format_plan(plan: LaunchPlan) -> str:
     unit = "GPUs" if c.device == "gpu" else "CPU ranks"
     out = [f"model {cfg.model.path}: {_count(shape.total_params())} parameters ({cfg.model.dtype}), "
            f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads} query / {shape.kv_heads} KV heads, "
-           f"vocab {shape.vocab}",
+           f"vocab {shape.vocab}"
+           + (f"; MoE: {shape.experts} experts of intermediate size {shape.expert_ffn}, top-{shape.topk}, "
+              f"{_count(shape.total_params() - shape.layers * shape.layer_expert_params() * (1 - shape.topk / shape.experts))}"
+              " active per token" if shape.experts else ""),
            f"cluster: {c.nodes} nodes x {c.ranks_per_node} {unit} = {c.world_size} ranks; pools: "
            + ", ".join(f"{k}={v}" for k, v in c.pool_sizes().items()),
            f"sequence: {cfg.data.max_prompt_length} prompt + {cfg.max_response_length} response tokens; "
@@ -272,6 +279,9 @@ def format_plan(plan: LaunchPlan) -> str:
             parts = "  ".join(f"{k} {m[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "logits")
                               if k in m)
             out.append(f"  {r.role:8s} {parts}  = {r.memory.gib():.2f}")
+            if r.memory.expert_params:
+                out.append(f"  {'':8s} of the params, experts {r.memory.expert_params * DTYPE_BYTES[cfg.model.dtype] / GiB:.2f}"
+                           f" ({r.memory.expert_params:,} on an expert-parallel rank)")
         else:
             rm = r.rollout
             out.append(f"  {r.role:8s} reserved {rm.reserved / GiB:.2f} = weights {rm.weights / GiB:.2f} + KV pool "

@@ -62,6 +62,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                            hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                            num_attention_heads=32, num_key_value_heads=4, head_dim=64,
                            max_position_embeddings=2048),
+    # ~180M-parameter Qwen3-MoE shape (16 experts, top-4): the resharding benchmark's MoE case.
+    "bench-qwen3-moe-200m": dict(_TINY, model_type="qwen3_moe", vocab_size=32000, tie_word_embeddings=False,
+                                 hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                 max_position_embeddings=2048, num_experts=16, num_experts_per_tok=4,
+                                 moe_intermediate_size=512, norm_topk_prob=True),
     # Real shapes, for planning, memory estimates and dry runs (never instantiated on CPU).
     "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -75,6 +81,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
                        rms_norm_eps=1e-6, max_position_embeddings=32768, hidden_act="silu",
                        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          router_aux_loss_coef=0.001, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                          hidden_act="silu", tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                            router_aux_loss_coef=0.001, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                            hidden_act="silu", tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
 
 TINY_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))

@@ -8,8 +8,11 @@ use_distributed_optimizer`` attributes: ``parallel.layout.MegatronLayout`` or th
 Parameters (exact, megatron's local GPT spec = the HF model's tensors):
   per layer  q h*nh*d, k and v h*nkv*d each, o nh*d*h, gate/up/down 3*h*f, two RMSNorms 2h,
              plus qkv bias (nh+2nkv)*d (Qwen2) and q/k norms 2d (Qwen3);
+             an MoE layer (Qwen3-MoE, Mixtral) has instead of gate/up/down a router E*h and
+             E experts of 3*h*f_e (f_e the experts' intermediate size);
   once       embedding V*h, final norm h, untied output layer V*h.
-  On a Megatron rank: linear weights / tp, norms replicated, the vocab padded to a multiple of
+  On a Megatron rank: linear weights / tp, norms and the router replicated, experts / (ep*etp)
+  (E/ep whole experts, each split over etp), the vocab padded to a multiple of
   128*tp (megatron's padding) and split over tp; layers / pp per pipeline rank (VPP only
   interleaves them); the embedding on the first stage, final norm + output layer on the last
   (a tied model with pp > 1 keeps a copy there too). A critic's output layer is a value head (h).
@@ -20,7 +23,8 @@ Training states, bytes per parameter of the rank (megatron mixed precision, mega
           megarl/training.py);
   optimizer (Adam) 4 (fp32 master copy, only when params are not fp32) + 4 + 4 (two moments);
           divided by dp*cp with ``use_distributed_optimizer`` (megatron shards it over the
-          data-parallel group including context-parallel ranks).
+          data-parallel group including context-parallel ranks); the experts' states by their
+          expert-data-parallel size tp*cp*dp / (ep*etp) instead.
   bf16 + distributed optimizer: 6 + 12/(dp*cp) bytes per parameter (megatron's own table).
 
 Activations (rough; after Korthikanti et al. 2022, "Reducing Activation Recomputation",
@@ -30,6 +34,11 @@ token per layer, in elements:
                         (/tp with sequence parallelism, else replicated on every TP rank)
   2*nh*d + 2*nkv*d      q, k, v kept by the attention and its output (input of o_proj)  (/tp)
   3f                    gate and up outputs (SwiGLU's inputs) and SwiGLU's output       (/tp)
+                        MoE: k * (3*f_e/etp + 2h) for the k experts a token is routed to (their
+                        SwiGLU as above, plus the token's dispatched and combined copies)
+                        and the router's E logits, assuming balanced routing (each rank
+                        computes k expert copies per token of its share; a skewed router
+                        puts more on the busiest rank)
   times the activation dtype size; softmax statistics are ignored. Tokens per micro-batch are
   micro_batch_size * (max prompt + max response) (padded batches: the worst case) or the token
   budget, / cp. What the core attention keeps besides depends on which one the run builds
@@ -51,7 +60,8 @@ token per layer, in elements:
 
 Rollout (SGLang, one engine per ``rollout.tp`` GPUs):
   weights on a rank: linears / tp, KV heads max(nkv/tp, 1) (replicated when tp > nkv), norms
-  whole, vocab padded to a multiple of 64 and split over tp.
+  and router whole, experts / tp (E/ep experts, each split over tp/ep: whatever the engine's
+  ep, a rank holds 1/tp of them), vocab padded to a multiple of 64 and split over tp.
   KV cache per token on a rank: 2 (K and V) * layers * max(nkv/tp, 1) * d * dtype size.
   SGLang reserves ``mem_fraction_static`` of the memory that is free when it starts (what a
   colocated trainer already holds is not free) for weights + KV pool: KV pool = f * free - weights
@@ -96,17 +106,23 @@ class ModelShape:
     tied: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    experts: int = 0  # MoE: routed experts per layer (every layer; 0: dense)
+    topk: int = 0  # experts per token
+    expert_ffn: int = 0  # an expert's intermediate size
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelShape":
-        from model_specs import family_for
+        from model_specs import family_for, num_experts
 
         family = family_for(hf)
         heads = hf["num_attention_heads"]
+        moe = {} if family.moe is None else dict(experts=num_experts(hf), topk=hf["num_experts_per_tok"],
+                                                 expert_ffn=hf[family.moe.ffn_field])
         return cls(hidden=hf["hidden_size"], ffn=hf["intermediate_size"], layers=hf["num_hidden_layers"],
                    heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
                    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab=hf["vocab_size"],
-                   tied=bool(hf.get("tie_word_embeddings", False)), qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)
+                   tied=bool(hf.get("tie_word_embeddings", False)), qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+                   **moe)
 
     @property
     def q_dim(self) -> int:
@@ -117,25 +133,33 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     def layer_split_params(self) -> int:
-        """Parameters of one layer that tensor parallelism splits (linear weights, qkv bias)."""
+        """Parameters of one layer that tensor parallelism splits (linear weights, qkv bias; the
+        dense MLP, which an MoE layer does not have)."""
         h = self.hidden
-        split = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 3 * h * self.ffn
+        split = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + (0 if self.experts else 3 * h * self.ffn)
         return split + ((self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0)
 
     def layer_replicated_params(self) -> int:
-        """Parameters of one layer every TP rank holds whole (the norms)."""
-        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        """Parameters of one layer every TP rank holds whole (the norms, an MoE layer's router)."""
+        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0) + self.experts * self.hidden
+
+    def layer_expert_params(self) -> int:
+        """An MoE layer's experts (split over ep*etp ranks); 0 for a dense model."""
+        return self.experts * 3 * self.hidden * self.expert_ffn
 
     def total_params(self) -> int:
         """Every parameter of the HF model (no padding), the number HF's ``numel`` reports."""
-        per_layer = self.layer_split_params() + self.layer_replicated_params()
+        per_layer = self.layer_split_params() + self.layer_replicated_params() + self.layer_expert_params()
         return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
-    def activation_elements_per_token(self, tp: int, sequence_parallel: bool) -> float:
+    def activation_elements_per_token(self, tp: int, sequence_parallel: bool, etp: int = 1) -> float:
         """Elements one layer saves for its backward per token on one TP rank (see module doc)."""
         replicated = 4 * self.hidden
-        split = 2 * self.q_dim + 2 * self.kv_dim + 3 * self.ffn
-        return replicated / (tp if sequence_parallel else 1) + split / tp
+        split = 2 * self.q_dim + 2 * self.kv_dim
+        if not self.experts:
+            return replicated / (tp if sequence_parallel else 1) + (split + 3 * self.ffn) / tp
+        experts = self.topk * (3 * self.expert_ffn / etp + 2 * self.hidden) + self.experts
+        return replicated / (tp if sequence_parallel else 1) + split / tp + experts
 
     def attention_bytes_per_key(self, attention: str, tp: int, dtype_size: int) -> float:
         """Bytes one layer's core attention keeps per query token and key on one TP rank, beyond
@@ -145,12 +169,18 @@ class ModelShape:
         return 0 if attention in ("sdpa", "transformer_engine") else dtype_size
 
 
+def megatron_stage_expert_params(shape: ModelShape, layout) -> int:
+    """Expert parameters on one rank of a pipeline stage: E/ep experts of its layers, / etp."""
+    return shape.layers // layout.pp * shape.layer_expert_params() // (layout.ep * layout.etp)
+
+
 def megatron_stage_params(shape: ModelShape, layout, stage: int, *, value_head: bool = False) -> int:
-    """Parameters on one TP rank of pipeline stage ``stage`` (all its virtual chunks)."""
+    """Parameters on one TP rank of pipeline stage ``stage`` (all its virtual chunks), experts
+    (``megatron_stage_expert_params``) included."""
     tp, pp = layout.tp, layout.pp
     vocab = _ceil_to(shape.vocab, MEGATRON_VOCAB_DIVISIBLE_BY * tp)
     per_layer = shape.layer_split_params() // tp + shape.layer_replicated_params()
-    params = shape.layers // pp * per_layer
+    params = shape.layers // pp * per_layer + megatron_stage_expert_params(shape, layout)
     if stage == 0:
         params += vocab * shape.hidden // tp
     if stage == pp - 1:
@@ -169,6 +199,7 @@ class MemoryEstimate:
     role: str
     components: dict[str, int]
     notes: list[str] = dataclasses.field(default_factory=list)
+    expert_params: int = 0  # of the params on the rank, an MoE model's experts (in "params" too)
 
     @property
     def total(self) -> int:
@@ -201,21 +232,25 @@ def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfl
     if per_key and sequence_length is None:
         raise ValueError(f"attention={attention!r} keeps a score or mask entry per key: pass sequence_length")
     attention_bytes = per_key * tokens * (sequence_length or 0)  # per layer
-    per_layer = shape.activation_elements_per_token(tp, layout.sequence_parallel) * tokens * size + attention_bytes
+    per_layer = shape.activation_elements_per_token(tp, layout.sequence_parallel, layout.etp) * tokens * size \
+        + attention_bytes
     layer_input = shape.hidden / (tp if layout.sequence_parallel else 1) * tokens * size
     vocab = _ceil_to(shape.vocab, MEGATRON_VOCAB_DIVISIBLE_BY * tp)
     logits = 0 if value_head else tokens * vocab / tp * (size + 8)
     interleave = 1 + (pp - 1) / (pp * layout.vpp) if layout.vpp else 1.0
     layers_per_stage = shape.layers // pp
     best: tuple[float, dict[str, int]] | None = None
+    expert_params = megatron_stage_expert_params(shape, layout)
     for stage in range(pp):
         params = megatron_stage_params(shape, layout, stage, value_head=value_head)
         parts = {"params": params * size}
         if trainable:
-            shards = dp * cp if layout.use_distributed_optimizer else 1
+            shards, expert_shards = ((dp * cp, tp * cp * dp // (layout.ep * layout.etp))
+                                     if layout.use_distributed_optimizer else (1, 1))
             master = 0 if dtype == "float32" else 4
             parts["grads"] = params * 4
-            parts["optimizer"] = int(params * (master + 8) / shards)
+            parts["optimizer"] = int((params - expert_params) * (master + 8) / shards
+                                     + expert_params * (master + 8) / expert_shards)
             in_flight = min(pp - stage, max(1, micro_batches)) * interleave
             if recompute == "full":
                 acts = layers_per_stage * in_flight * layer_input + per_layer
@@ -229,13 +264,19 @@ def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfl
         if best is None or total > best[0]:
             best = (total, parts)
     notes = [f"{shape.total_params():,} parameters; busiest rank holds {best[1]['params'] // size:,} ({dtype}); "
-             f"{tokens_per_micro_batch} tokens per micro-batch",
-             f"core attention {attention}: {attention_bytes / GiB:.3f} GiB per layer beyond q/k/v"]
+             f"{tokens_per_micro_batch} tokens per micro-batch"]
+    if shape.experts:
+        notes.append(f"experts: {shape.experts // layout.ep} of {shape.experts} per layer on a rank (ep={layout.ep}), "
+                     f"each 1/{layout.etp} (etp): {expert_params:,} parameters; top-{shape.topk} routing assumed "
+                     "balanced for the activations")
+    notes.append(f"core attention {attention}: {attention_bytes / GiB:.3f} GiB per layer beyond q/k/v")
     if trainable:
         notes.append("grads fp32; Adam " + ("fp32 master + " if dtype != "float32" else "") + "2 moments"
                      + (f" sharded over dp*cp={dp * cp}" if layout.use_distributed_optimizer else " (not sharded)")
+                     + (f" (experts over their data-parallel {tp * cp * dp // (layout.ep * layout.etp)})"
+                        if layout.use_distributed_optimizer and shape.experts else "")
                      + f"; recompute={recompute}")
-    return MemoryEstimate(role, best[1], notes)
+    return MemoryEstimate(role, best[1], notes, expert_params)
 
 
 def sglang_rank_weight_params(shape: ModelShape, tp: int) -> int:
@@ -243,7 +284,8 @@ def sglang_rank_weight_params(shape: ModelShape, tp: int) -> int:
     h = shape.hidden
     kv_dim = max(shape.kv_heads // tp, 1) * shape.head_dim
     q_dim = shape.q_dim // tp
-    per_layer = (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * shape.ffn // tp
+    mlp = shape.layer_expert_params() // tp if shape.experts else 3 * h * shape.ffn // tp
+    per_layer = (h * (q_dim + 2 * kv_dim) + q_dim * h + mlp
                  + ((q_dim + 2 * kv_dim) if shape.qkv_bias else 0) + shape.layer_replicated_params())
     vocab = _ceil_to(shape.vocab, SGLANG_VOCAB_DIVISIBLE_BY) // tp
     return shape.layers * per_layer + vocab * h * (1 if shape.tied else 2) + h

@@ -1,7 +1,8 @@
 """Benchmark Megatron -> SGLang resharding plans: plan time, bytes moved vs the minimum, and
 execution throughput against a plain tensor copy of the same bytes, measured in the same run.
 
-    python tools/bench_reshard.py [--presets bench-llama-100m bench-llama-1b] [--dtype bfloat16]
+    python tools/bench_reshard.py [--presets bench-llama-100m bench-llama-1b] [--moe-presets bench-qwen3-moe-200m]
+                                  [--dtype bfloat16]
 
 Plans are made from the config alone (no tensors). Execution runs every device's copies in this
 process (``execute_plan_in_memory``) from preallocated source shards into preallocated
@@ -24,13 +25,25 @@ from parallel.layout import MegatronLayout
 from parallel.reshard.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
 from parallel.reshard.shards import megatron_shards
 
-CASES = [  # (name, layout, world size, rollout TP)
-    ("TP2 -> TP2 (colocated, equal TP)", MegatronLayout(tp=2), 2, 2),
-    ("TP2 -> TP1", MegatronLayout(tp=2), 2, 1),
-    ("TP1 -> TP2", MegatronLayout(tp=1), 2, 2),
-    ("TP2xPP2 -> TP4", MegatronLayout(tp=2, pp=2), 4, 4),
-    ("TP2xPP2 -> TP2", MegatronLayout(tp=2, pp=2), 4, 2),
+CASES = [  # (name, layout, world size, rollout TP, rollout EP)
+    ("TP2 -> TP2 (colocated, equal TP)", MegatronLayout(tp=2), 2, 2, 1),
+    ("TP2 -> TP1", MegatronLayout(tp=2), 2, 1, 1),
+    ("TP1 -> TP2", MegatronLayout(tp=1), 2, 2, 1),
+    ("TP2xPP2 -> TP4", MegatronLayout(tp=2, pp=2), 4, 4, 1),
+    ("TP2xPP2 -> TP2", MegatronLayout(tp=2, pp=2), 4, 2, 1),
 ]
+MOE_CASES = [  # Megatron EP -> SGLang's fused experts at TP x EP
+    ("EP2 -> TP2xEP2 (same expert split)", MegatronLayout(ep=2), 2, 2, 2),
+    ("EP2 -> TP2 (experts split over TP)", MegatronLayout(ep=2), 2, 2, 1),
+    ("EP4 -> TP4xEP2", MegatronLayout(ep=4), 4, 4, 2),
+    ("TP2xEP2xPP2 -> TP4xEP4", MegatronLayout(tp=2, ep=2, pp=2, sequence_parallel=True), 4, 4, 4),
+]
+PLAN_ONLY = {  # real shapes, planned from the config alone
+    "llama3-70b": [("TP8xPP4 -> TP8", MegatronLayout(tp=8, pp=4), 32, 8, 1),
+                   ("TP8xPP4 -> TP4", MegatronLayout(tp=8, pp=4), 32, 4, 1), ("TP8 -> TP8", MegatronLayout(tp=8), 8, 8, 1)],
+    "qwen3-30b-a3b": [("EP8 -> TP8xEP8", MegatronLayout(ep=8), 8, 8, 8),
+                      ("TP2xEP4 -> TP4xEP4", MegatronLayout(tp=2, ep=4, sequence_parallel=True), 8, 4, 4)],
+}
 
 
 def best_of_both(repeats: int, first, second) -> tuple[float, float]:
@@ -44,17 +57,17 @@ def best_of_both(repeats: int, first, second) -> tuple[float, float]:
     return min(times[0]), min(times[1])
 
 
-def run_case(hf: dict, name: str, layout: MegatronLayout, world: int, rollout_tp: int, dtype: torch.dtype,
-             repeats: int, execute: bool) -> None:
+def run_case(hf: dict, name: str, layout: MegatronLayout, world: int, rollout_tp: int, rollout_ep: int,
+             dtype: torch.dtype, repeats: int, execute: bool) -> None:
     element = torch.empty((), dtype=dtype).element_size()
     start = time.perf_counter()
-    plan = plan_megatron_to_sglang(hf, layout, world, rollout_tp, element_size=element)
+    plan = plan_megatron_to_sglang(hf, layout, world, rollout_tp, element_size=element, rollout_ep=rollout_ep)
     plan_s = time.perf_counter() - start
     start = time.perf_counter()
     plan.check()
     check_s = time.perf_counter() - start
     total = plan.local_bytes + plan.network_bytes
-    line = (f"{name:34s} plan {plan_s:6.2f} s  check {check_s:6.2f} s  {total / 2**30:6.2f} GiB  "
+    line = (f"{name:36s} plan {plan_s:6.2f} s  check {check_s:6.2f} s  {total / 2**30:6.2f} GiB  "
             f"network {plan.network_bytes / 2**30:6.2f} GiB (minimum {plan.minimum_network_bytes / 2**30:6.2f})")
     if not execute:
         print(line, flush=True)
@@ -78,27 +91,28 @@ def run_case(hf: dict, name: str, layout: MegatronLayout, world: int, rollout_tp
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=["bench-llama-100m", "bench-llama-1b"])
+    parser.add_argument("--presets", nargs="*", default=["bench-llama-100m", "bench-llama-1b"])
+    parser.add_argument("--moe-presets", nargs="*", default=["bench-qwen3-moe-200m"],
+                        help="MoE presets, run through the expert-parallel cases")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--plan-only", nargs="*", default=["llama3-70b"],
+    parser.add_argument("--plan-only", nargs="*", default=list(PLAN_ONLY), choices=list(PLAN_ONLY),
                         help="presets to plan without executing (too large for this machine's memory)")
     args = parser.parse_args()
     dtype = dtype_from_name(args.dtype)
     print(f"bench_reshard: load average {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} torch threads, "
           f"dtype {args.dtype}", flush=True)
-    for preset in args.presets:
-        hf = hf_config_dict(preset)
-        print(f"\n{preset}", flush=True)
-        for case in CASES:
-            run_case(hf, *case, dtype=dtype, repeats=args.repeats, execute=True)
+    for presets, cases in ((args.presets, CASES), (args.moe_presets, MOE_CASES)):
+        for preset in presets:
+            hf = hf_config_dict(preset)
+            print(f"\n{preset}", flush=True)
+            for case in cases:
+                run_case(hf, *case, dtype=dtype, repeats=args.repeats, execute=True)
     for preset in args.plan_only:
         hf = hf_config_dict(preset)
         print(f"\n{preset} (plan only)", flush=True)
-        for name, layout, world, rollout_tp in [("TP8xPP4 -> TP8", MegatronLayout(tp=8, pp=4), 32, 8),
-                                                 ("TP8xPP4 -> TP4", MegatronLayout(tp=8, pp=4), 32, 4),
-                                                 ("TP8 -> TP8", MegatronLayout(tp=8), 8, 8)]:
-            run_case(hf, name, layout, world, rollout_tp, dtype, args.repeats, execute=False)
+        for case in PLAN_ONLY[preset]:
+            run_case(hf, *case, dtype=dtype, repeats=args.repeats, execute=False)
 
 
 if __name__ == "__main__":

@@ -102,11 +102,16 @@ class LayoutConfig(_Section):
     cp: Int = 1
     sequence_parallel: Bool = False
     use_distributed_optimizer: Bool = False
+    # MoE models: expert parallelism (whole experts over ep ranks) and expert tensor parallelism
+    # (each expert over etp ranks), carved from a stage's tp*cp*dp ranks
+    ep: Int = 1
+    etp: Int = 1
 
     def __str__(self) -> str:
         """Short form for messages and logs, e.g. ``tp=2 pp=2 vpp=2 cp=1 sp``."""
         extras = ([f"vpp={self.vpp}"] if self.vpp else []) + (["sp"] if self.sequence_parallel else []) + (
-            ["dist-opt"] if self.use_distributed_optimizer else [])
+            ["dist-opt"] if self.use_distributed_optimizer else []) + (
+            [f"ep={self.ep}"] if self.ep > 1 else []) + ([f"etp={self.etp}"] if self.etp > 1 else [])
         return " ".join([f"tp={self.tp} pp={self.pp} cp={self.cp}", *extras])
 
     def to_megatron(self):

@@ -198,8 +198,9 @@ class MegatronWorker:
     def _micro_batches(self, model: _Model, batch: dict) -> list[dict]:
         """This replica's micro-batches (see ``megarl.workers.batch``), padded to the shapes
         megatron needs: one common length and row count under pipelining (its p2p buffers are
-        fixed), a length divisible by 2*CP (zig-zag) and by TP under sequence parallelism, and a
-        micro-batch count divisible by PP for the interleaved schedule."""
+        fixed) and when an expert-parallel group spans replicas (its token all-gather needs the
+        same token count on every member), a length divisible by 2*CP (zig-zag) and by TP under
+        sequence parallelism, and a micro-batch count divisible by PP for the interleaved schedule."""
         from megatron.core import parallel_state
 
         layout = model.spec.layout
@@ -209,7 +210,7 @@ class MegatronWorker:
         plan = data_parallel_rows(batch, dp_size, model.spec.batching)
         multiple = (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sequence_parallel else 1)
         lengths = input_lengths(batch).tolist()
-        pipelined = layout.pp > 1
+        common_shape = layout.pp > 1 or layout.ep * layout.etp > layout.tp * layout.cp
         longest_all = max(lengths)
         most_rows = max(len(rows) for share in plan for rows in share)
         mine = plan[dp_rank]
@@ -218,7 +219,7 @@ class MegatronWorker:
         if model.spec.batching.packed:  # one row per micro-batch; sequences in slots CP can split
             slot = 2 * layout.cp if layout.cp > 1 else 1
             row_multiple = layout.sequence_length_multiple()
-            if pipelined:  # one shape for every micro-batch of the pipeline
+            if common_shape:  # one shape for every micro-batch, all replicas'
                 longest = max(packed_row_length(batch, rows, slot) for share in plan for rows in share)
                 row_lengths = [longest] * len(mine)
             else:
@@ -228,7 +229,7 @@ class MegatronWorker:
         if model.spec.batching.shared_prompts:  # one row per prompt, its samples as branches
             row_length = lambda gs: max([shared_prompt_row_length(batch, g) for g in gs] or [1])  # noqa: E731
             groups = [prompt_groups(batch, rows) for rows in mine]
-            if pipelined:  # one shape for every micro-batch of the pipeline, all replicas'
+            if common_shape:  # one shape for every micro-batch, all replicas'
                 everyone = [prompt_groups(batch, rows) for share in plan for rows in share]
                 shapes = [(max(map(row_length, everyone)), max(max(len(gs), 1) for gs in everyone))] * len(mine)
             else:
@@ -237,8 +238,8 @@ class MegatronWorker:
                     for gs, (length, count) in zip(groups, shapes)]
         micro = []
         for rows in mine:
-            longest = longest_all if pipelined else max([lengths[r] for r in rows] or [1])
-            num_rows = most_rows if pipelined else max(len(rows), 1)
+            longest = longest_all if common_shape else max([lengths[r] for r in rows] or [1])
+            num_rows = most_rows if common_shape else max(len(rows), 1)
             micro.append(make_micro_batch(batch, rows, padded_length(longest, multiple), num_rows))
         return micro
 

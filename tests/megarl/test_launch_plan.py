@@ -1,7 +1,9 @@
-"""The memory planner against hand computations, and the 70B launch scripts' dry runs.
+"""The memory planner against hand computations, HF's parameter counts and megatron's built
+models, and the launch scripts' dry runs (70B dense, Qwen3 MoE).
 
 Hand numbers are for tiny-llama (hidden 64, ffn 128, 4 layers, 4 query / 2 KV heads of 16,
-vocab 200, untied), worked out in the comments from the formulas in parallel/memory.py.
+vocab 200, untied) and tiny-qwen3-moe (the same attention plus q/k norms, 4 experts of 32, top-2,
+vocab 300), worked out in the comments from the formulas in parallel/memory.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from parallel.memory import (
     GiB,
     ModelShape,
     kv_bytes_per_token,
+    megatron_stage_expert_params,
     megatron_stage_params,
     rollout_memory,
     sglang_rank_weight_params,
@@ -28,6 +31,7 @@ from parallel.memory import (
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = hf_config_dict("tiny-llama")
+MOE = hf_config_dict("tiny-qwen3-moe")
 GRPO_70B = str(ROOT / "configs/llama3_70b_grpo_32x8.yaml")
 PPO_70B = str(ROOT / "configs/llama3_70b_ppo_32x8.yaml")
 
@@ -37,9 +41,21 @@ def test_total_params_equal_hf_numel():
 
     from model_specs.presets import make_hf_config
 
-    for preset in ("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3"):
+    for preset in ("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"):
         model = AutoModelForCausalLM.from_config(make_hf_config(preset))
         assert ModelShape.from_hf(hf_config_dict(preset)).total_params() == sum(p.numel() for p in model.parameters()), preset
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_moe_parameter_counts_equal_hf_models_on_the_meta_device(preset):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from model_specs.presets import make_hf_config
+
+    with torch.device("meta"):  # shapes only: no memory
+        model = AutoModelForCausalLM.from_config(make_hf_config(preset))
+    assert ModelShape.from_hf(hf_config_dict(preset)).total_params() == sum(p.numel() for p in model.parameters())
 
 
 def test_llama3_70b_parameter_count():
@@ -57,26 +73,56 @@ def test_megatron_stage_params_by_hand():
     assert megatron_stage_params(shape, layout, 1, value_head=True) == 37120 + 64 + 64
 
 
-def _rank_numel(hf, layout):
-    import torch.distributed as dist
+def _rank_numels(cases):
+    """Parameters megatron builds on this rank for each (hf, layout), one after the other."""
+    from megatron.core import parallel_state
 
     from parallel.layout import initialize_megatron
     from parallel.models import build_model_chunks
 
-    initialize_megatron(layout)
-    chunks = build_model_chunks(hf, layout)
-    return dist.get_rank(), sum(p.numel() for c in chunks for p in c.parameters())
+    numels = []
+    for hf, layout in cases:
+        initialize_megatron(layout)
+        numels.append(sum(p.numel() for c in build_model_chunks(hf, layout) for p in c.parameters()))
+        parallel_state.destroy_model_parallel()
+    return numels
 
 
 def test_megatron_stage_params_equal_built_model():
     """The closed form equals what megatron-core builds on each rank (tp=2: vocab padding, TP
-    splits, replicated norms, embedding + final norm + output layer on the one stage)."""
+    splits, replicated norms, embedding + final norm + output layer on the one stage; MoE at ep=2
+    and at tp=2 x ep=2: the router replicated, half the experts per rank)."""
     from parallel.spawn import run_on_ranks
 
-    layout = MegatronLayout(tp=2)
-    shape = ModelShape.from_hf(TINY)
-    for rank, numel in run_on_ranks(_rank_numel, 2, TINY, layout, timeout_s=240):
-        assert numel == megatron_stage_params(shape, layout, 0) == 4 * 18560 + 8192 + 64 + 8192, rank
+    cases = [(TINY, MegatronLayout(tp=2)), (MOE, MegatronLayout(ep=2)),
+             (MOE, MegatronLayout(tp=2, ep=2, sequence_parallel=True))]
+    for rank, numels in enumerate(run_on_ranks(_rank_numels, 2, cases, timeout_s=240)):
+        assert numels[0] == megatron_stage_params(ModelShape.from_hf(TINY), cases[0][1], 0) == 4 * 18560 + 8192 + 64 + 8192
+        for (hf, layout), numel in zip(cases[1:], numels[1:]):
+            assert numel == megatron_stage_params(ModelShape.from_hf(hf), layout, 0), (rank, layout)
+
+
+def test_moe_training_memory_by_hand():
+    """tiny-qwen3-moe at ep=2 over 2 ranks (dp=2), bf16, distributed optimizer."""
+    layout = MegatronLayout(ep=2, use_distributed_optimizer=True)
+    shape = ModelShape.from_hf(MOE)
+    # per layer: attention 4096 + 2048 + 2048 + 4096 = 12288; norms 2*64 + q/k norms 2*16 + router
+    # 4*64 = 416; experts 4 x 3*64*32 = 24576, half per rank = 12288 -> 24992, x 4 layers = 99968
+    # vocab 300 -> 384 rows: embedding and output layer 24576 each, final norm 64
+    params, experts = 99968 + 2 * 24576 + 64, 4 * 12288
+    assert megatron_stage_params(shape, layout, 0) == params
+    assert megatron_stage_expert_params(shape, layout) == experts
+    est = training_memory(MOE, layout, dp=2, dtype="bfloat16", tokens_per_micro_batch=32, micro_batches=2)
+    assert est.expert_params == experts
+    # Adam (12 B/param): dense states sharded over dp=2, the experts' over their data-parallel
+    # size tp*cp*dp/(ep*etp) = 1 (not sharded)
+    assert est.components["optimizer"] == (params - experts) * 12 // 2 + experts * 12
+    # per token and layer: 4*64 replicated + (2*64 + 2*32) attention + top-2 x (3*32 + 2*64) + 4 router
+    # logits = 900 elements; 32 tokens x 4 layers, bf16
+    assert est.components["activations"] == 900 * 32 * 4 * 2
+    # SGLang at tp=2 (any ep): attention and experts split in two, norms and router whole, vocab 320/2
+    per_layer = 12288 // 2 + 24576 // 2 + 416
+    assert sglang_rank_weight_params(shape, 2) == 4 * per_layer + 2 * 160 * 64 + 64
 
 
 def test_training_memory_by_hand():
@@ -218,6 +264,23 @@ def test_dry_runs_of_70b_scripts(script, tmp_path):
         assert "--slurm-nodes 32 --slurm-gpus-per-node 8" in out
         if script.startswith("ppo"):
             assert "critic" in out and "critic update" in out
+
+
+@pytest.mark.parametrize("config, nodes, layout", [
+    (None, 1, "tp=1 pp=1 cp=1 vpp=- dist-opt ep=8 etp=1"),
+    ("configs/qwen3_235b_a22b_grpo_16x8.yaml", 16, "tp=4 pp=2 cp=1 vpp=- sp dist-opt ep=16 etp=1")])
+def test_dry_runs_of_the_qwen3_moe_script(config, nodes, layout, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    if config:
+        env.update(MEGARL_CONFIG=config, MEGARL_NODES=str(nodes))
+    result = subprocess.run(["bash", str(ROOT / "launch_scripts/grpo_qwen3_moe.sbatch"), "--dry-run"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert layout in out and "SGLang tp=8 ep=8" in out and "128 experts" in out and "experts" in out
+    assert "of 141 GiB: fits" in out and "verdict: fits in memory" in out
+    assert f"--slurm-nodes {nodes} --slurm-gpus-per-node 8" in out and "megarl train configs/qwen3_" in out
 
 
 def test_dry_run_env_knob_and_overrides(tmp_path):

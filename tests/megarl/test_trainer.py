@@ -1,8 +1,9 @@
 """`megarl train` end to end on CPU: real Ray, real Megatron workers, real SGLang engines.
 
 - learning: GRPO raises the mean reward far beyond a no-update control (lr = 0) run of the same
-  seed; the first rollout's SGLang log-probs equal the actor's recomputation (step-0 check); the
-  control lays out a row per sample and its first step equals the GRPO run's shared-prompt rows;
+  seed (also an MoE model with expert parallelism); the first rollout's SGLang log-probs equal the
+  actor's recomputation (step-0 check); the control lays out a row per sample and its first step
+  equals the GRPO run's shared-prompt rows;
 - pools and resume, against one uninterrupted run with every role on a pool of its own: a
   colocated run gives its steps 1-2, is SIGKILLed (driver) after its step-2 checkpoint, and
   resumed gives its steps 3-4; no process of the killed run survives;
@@ -102,6 +103,31 @@ def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
     # acts only after it) has the shared-prompt run's losses, entropy, KL and grad norm. Later steps
     # sample from other weights.
     _assert_same_steps({m["step"]: m for m in control_steps}, {m["step"]: m for m in grpo_steps}, (1,))
+
+
+def test_moe_grpo_with_expert_parallelism_rises_against_a_no_update_control(prompts, tmp_path):
+    """tiny-qwen3-moe with its experts split over the actor's two ranks (ep=2) and synced into two
+    SGLang engines, each holding all four: the reward rises beyond a no-update control, and at
+    every step the engines' log-probs of their samples equal the actor's recomputation (the
+    experts moved by each sync are exact)."""
+    common = {"model.path": "tiny-qwen3-moe", "actor.layout.ep": 2, "trainer.save_every": 0,
+              "data.batch_size": 16, "rollout.n": 8}
+    code, output = _run(_overrides(prompts, tmp_path / "grpo", **common, **{"trainer.total_steps": 20}), timeout_s=900)
+    assert code == 0, output[-3000:]
+    assert "layout tp=1 pp=1 cp=1 ep=2" in output, output[-3000:]
+    control_settings = {**common, "actor.optim.lr": 1e-12, "trainer.total_steps": 6}
+    code, control_output = _run(_overrides(prompts, tmp_path / "control", **control_settings), timeout_s=600)
+    assert code == 0, control_output[-3000:]
+    grpo_steps, control_steps = _metrics(tmp_path / "grpo"), _metrics(tmp_path / "control")
+    grpo = [m["reward/mean"] for m in grpo_steps]
+    control = [m["reward/mean"] for m in control_steps]
+    print("MoE GRPO reward per step:", [round(r, 3) for r in grpo])
+    print("no-update control:       ", [round(r, 3) for r in control])
+    first, last = sum(grpo[:3]) / 3, sum(grpo[-3:]) / 3
+    assert last - first > max(0.05, 2 * (max(control) - min(control))), (grpo, control)
+    assert max(control) < last, (grpo, control)
+    diffs = [m["actor/mismatch/abs_logp_diff"] for m in grpo_steps]
+    assert max(diffs) < 1e-3, diffs
 
 
 FOUR_STEPS = {"trainer.total_steps": 4, "trainer.save_every": 2, "data.batch_size": 8, "rollout.n": 4}

@@ -11,12 +11,16 @@ from megarl.config import CONFIGS_DIR, load_config
 # be added here (test_every_yaml_is_covered).
 _QUICK = str(CONFIGS_DIR / "quickstart_grpo.yaml")
 _70B = str(CONFIGS_DIR / "llama3_70b_grpo_32x8.yaml")
+_30B_MOE = str(CONFIGS_DIR / "qwen3_30b_a3b_grpo_1x8.yaml")
+_235B_MOE = str(CONFIGS_DIR / "qwen3_235b_a22b_grpo_16x8.yaml")
 COMPOSITIONS = {
     "quickstart_grpo.yaml": None,
     "llama3_70b_grpo_32x8.yaml": None,
     "llama3_70b_ppo_32x8.yaml": None,
     "sft_chat_arith.yaml": None,
     "agent_gsm8k_python.yaml": None,
+    "qwen3_30b_a3b_grpo_1x8.yaml": None,
+    "qwen3_235b_a22b_grpo_16x8.yaml": None,
     **{f"algorithm/{name}.yaml": [_QUICK, f"algorithm/{name}"]
        for name in ("grpo", "ppo", "dapo", "drgrpo", "rloo", "reinforce_plus_plus", "gspo")},
     "layout/tp1.yaml": [_QUICK, "model/tiny-llama", "layout/tp1", "cluster/local-cpu-4"],
@@ -27,6 +31,11 @@ COMPOSITIONS = {
     "model/tiny-qwen2.yaml": [_QUICK, "model/tiny-qwen2"],
     "model/tiny-llama.yaml": [_QUICK, "model/tiny-llama"],
     "model/llama3-70b.yaml": [_70B, "model/llama3-70b"],
+    "model/tiny-qwen3-moe.yaml": [_QUICK, "model/tiny-qwen3-moe"],
+    "model/qwen3-30b-a3b.yaml": [_30B_MOE, "model/qwen3-30b-a3b"],
+    "model/qwen3-235b-a22b.yaml": [_235B_MOE, "model/qwen3-235b-a22b"],
+    "cluster/gpu-1x8.yaml": [_30B_MOE, "cluster/gpu-1x8"],
+    "cluster/gpu-16x8-split.yaml": [_235B_MOE, "cluster/gpu-16x8-split"],
     "cluster/local-cpu.yaml": [_QUICK, "cluster/local-cpu"],
     "cluster/local-cpu-4.yaml": [_QUICK, "cluster/local-cpu-4"],
     "cluster/gpu-32x8.yaml": [_70B, "cluster/gpu-32x8"],
