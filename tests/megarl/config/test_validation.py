@@ -135,6 +135,22 @@ def test_megatron_tp_must_divide_the_heads_but_sglang_may_replicate_kv(problems,
     assert "pick one of [1]" in line
 
 
+def test_rollout_expert_parallelism_against_the_model_and_the_cpu_engine(problems, data_file):
+    moe = ["model.path=tiny-qwen3-moe"]  # 4 experts of intermediate size 32
+    line = _one(problems(*moe, "rollout.ep=2"))  # ep must divide tp (1 here)
+    assert line.startswith("rollout.ep=2: does not fit tp=1, num_experts=4, moe_intermediate_size=32") and \
+        "pick ep from [1]" in line, line
+    assert _one(problems("rollout.ep=2")).startswith("rollout.ep=2: expert parallelism needs an MoE model")
+    # SGLang's CPU engine pads the experts to 32 * tp = 64 rows (a layout the sync does not write);
+    # on GPUs tp=2, ep=2 is fine
+    line = _one(problems(*moe, "rollout.tp=2", "rollout.ep=2"))
+    assert line.startswith("rollout.ep=2: moe_intermediate_size=32 is not a multiple of 32 * tp=2"), line
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, *moe, "cluster.gpus_per_node=2",
+                             "rollout.tp=2", "rollout.ep=2"])
+    line = _one(problems("model.path=tiny-qwen3-moe", "model.path=tiny-mixtral"))  # tied: SGLang's Mixtral is not
+    assert "tie_word_embeddings=True, and SGLang's MixtralForCausalLM has no tied embeddings" in line, line
+
+
 def test_rollout_tp_against_heads_and_its_pool(problems):
     lines = problems("rollout.tp=3", "cluster.cpu_ranks_per_node=6", "data.batch_size=6")
     line = _one(lines)
