@@ -1,8 +1,8 @@
 """`megarl train` end to end on CPU: real Ray, real Megatron workers, real SGLang engines.
 
-- learning: GRPO raises the mean reward far beyond a no-update control (lr = 0) run of the same
-  seed (also an MoE model with expert parallelism); the first rollout's SGLang log-probs equal the
-  actor's recomputation (step-0 check); the control lays out a row per sample and its first step
+- learning (an MoE model, its experts split over the actor's ranks): GRPO raises the mean reward
+  far beyond a no-update control (lr = 0) run of the same seed; every rollout's SGLang log-probs
+  equal the actor's recomputation; the control lays out a row per sample and its first step
   equals the GRPO run's shared-prompt rows;
 - pools and resume, against one uninterrupted run with every role on a pool of its own: a
   colocated run gives its steps 1-2, is SIGKILLed (driver) after its step-2 checkpoint, and
@@ -74,11 +74,16 @@ def _metrics(out) -> list[dict]:
 
 
 def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
-    steps = 24
-    common = {"trainer.total_steps": steps, "trainer.save_every": 0, "cluster.cpu_ranks_per_node": 1,
-              "data.batch_size": 16, "rollout.n": 8, "actor.micro_batch_size": 16, "ref.micro_batch_size": 16}
+    """On an MoE model (tiny-qwen3-moe) with its experts split over the actor's two ranks (ep=2) and
+    synced into two SGLang engines that each hold all four: the reward rises beyond a no-update
+    control, and at every step the engines' log-probs of their samples equal the actor's
+    recomputation (the experts each sync moves are exact)."""
+    common = {"model.path": "tiny-qwen3-moe", "actor.layout.ep": 2, "trainer.total_steps": 24,
+              "trainer.save_every": 0, "data.batch_size": 16, "rollout.n": 8, "actor.micro_batch_size": 8,
+              "ref.micro_batch_size": 8}
     code, output = _run(_overrides(prompts, tmp_path / "grpo", **common), timeout_s=900)
     assert code == 0, output[-3000:]
+    assert "layout tp=1 pp=1 cp=1 ep=2" in output, output[-3000:]
     assert "rows: one per prompt, its samples as branches" in output, output[-3000:]  # the default at n > 1
     # The no-update control: lr must be > 0, and at 1e-12 Adam moves each weight by ~1e-12. It also
     # lays out a row per sample (actor.shared_prompts=false): see the padded-rows check below.
@@ -95,39 +100,19 @@ def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
     spread = max(control) - min(control)  # run-to-run noise of the per-step mean reward
     assert last - first > max(0.08, 2 * spread), (grpo, control)
     assert max(control) < last, (grpo, control)
-    # Step 0: the engine's log-probs of its own samples equal the actor's recomputation.
-    mismatch = {key: grpo_steps[0][f"actor/mismatch/{key}"] for key in ("abs_logp_diff", "kl_k3", "outside_bounds")}
-    assert mismatch["abs_logp_diff"] < 0.01 and mismatch["kl_k3"] < 1e-4 and mismatch["outside_bounds"] == 0, mismatch
+    # Every step: the engine's log-probs of its own samples equal the actor's recomputation.
+    for m in grpo_steps:
+        mismatch = {key: m[f"actor/mismatch/{key}"] for key in ("abs_logp_diff", "kl_k3", "outside_bounds")}
+        assert mismatch["abs_logp_diff"] < 1e-3 and mismatch["kl_k3"] < 1e-6 and mismatch["outside_bounds"] == 0, \
+            (m["step"], mismatch)
     assert (tmp_path / "grpo" / "hf_final" / "model.safetensors").is_file()
     # Padded rows: the first step (same initial weights, seed and so rollouts; the learning rate
-    # acts only after it) has the shared-prompt run's losses, entropy, KL and grad norm. Later steps
-    # sample from other weights.
-    _assert_same_steps({m["step"]: m for m in control_steps}, {m["step"]: m for m in grpo_steps}, (1,))
-
-
-def test_moe_grpo_with_expert_parallelism_rises_against_a_no_update_control(prompts, tmp_path):
-    """tiny-qwen3-moe with its experts split over the actor's two ranks (ep=2) and synced into two
-    SGLang engines, each holding all four: the reward rises beyond a no-update control, and at
-    every step the engines' log-probs of their samples equal the actor's recomputation (the
-    experts moved by each sync are exact)."""
-    common = {"model.path": "tiny-qwen3-moe", "actor.layout.ep": 2, "trainer.save_every": 0,
-              "data.batch_size": 16, "rollout.n": 8}
-    code, output = _run(_overrides(prompts, tmp_path / "grpo", **common, **{"trainer.total_steps": 20}), timeout_s=900)
-    assert code == 0, output[-3000:]
-    assert "layout tp=1 pp=1 cp=1 ep=2" in output, output[-3000:]
-    control_settings = {**common, "actor.optim.lr": 1e-12, "trainer.total_steps": 6}
-    code, control_output = _run(_overrides(prompts, tmp_path / "control", **control_settings), timeout_s=600)
-    assert code == 0, control_output[-3000:]
-    grpo_steps, control_steps = _metrics(tmp_path / "grpo"), _metrics(tmp_path / "control")
-    grpo = [m["reward/mean"] for m in grpo_steps]
-    control = [m["reward/mean"] for m in control_steps]
-    print("MoE GRPO reward per step:", [round(r, 3) for r in grpo])
-    print("no-update control:       ", [round(r, 3) for r in control])
-    first, last = sum(grpo[:3]) / 3, sum(grpo[-3:]) / 3
-    assert last - first > max(0.05, 2 * (max(control) - min(control))), (grpo, control)
-    assert max(control) < last, (grpo, control)
-    diffs = [m["actor/mismatch/abs_logp_diff"] for m in grpo_steps]
-    assert max(diffs) < 1e-3, diffs
+    # acts only after it) has the shared-prompt run's losses, entropy and KL. Later steps sample
+    # from other weights. Not its grad norm: megatron's load-balancing loss is computed over a
+    # micro-batch's tokens, which padded rows hold each prompt n times (and padding) and shared-
+    # prompt rows once.
+    _assert_same_steps({m["step"]: m for m in control_steps}, {m["step"]: m for m in grpo_steps}, (1,),
+                       keys=[k for k in COMPARED if k != "actor/grad_norm"])
 
 
 FOUR_STEPS = {"trainer.total_steps": 4, "trainer.save_every": 2, "data.batch_size": 8, "rollout.n": 4}
@@ -184,9 +169,9 @@ def killed_and_resumed(prompts, tmp_path_factory):
     return {m["step"]: m for m in _metrics(out)}, output, survivors, out
 
 
-def _assert_same_steps(run: dict, oracle: dict, steps) -> None:
+def _assert_same_steps(run: dict, oracle: dict, steps, keys=COMPARED) -> None:
     for step in steps:
-        for key in COMPARED:
+        for key in keys:
             assert run[step][key] == pytest.approx(oracle[step][key], rel=1e-5, abs=1e-6), (step, key)
 
 
