@@ -15,6 +15,9 @@ A batch is a dict of tensors over ``B`` samples:
   an SFT conversation's non-assistant tokens). Every loss, advantage, KL and metric sees it
   through ``response_mask``; log-probs and values there are returned as 0.
 
+Every micro-batch carries ``padding_mask`` (True on positions that hold no token of a sample):
+an MoE model's load-balancing loss leaves them out, as every other term does by construction.
+
 Every rank of a data-parallel replica gets the same rows; which rows a replica gets and how they
 form micro-batches is a pure function of the batch and the layout, so every rank computes it
 itself and no rank waits for another to tell it.
@@ -96,13 +99,15 @@ def make_micro_batch(batch: dict, rows: list[int], length: int, num_rows: int) -
     response token's predicting position out of per-token outputs."""
     tokens = torch.zeros(num_rows, length, dtype=torch.long)
     targets = torch.zeros_like(tokens)
+    padding = torch.ones(num_rows, length, dtype=torch.bool)
     for slot, row in enumerate(rows):
         total = int(input_lengths(batch)[row])
         tokens[slot, :total] = batch["input_ids"][row, :total]
+        padding[slot, :total] = False
         following = _following(batch, row, 0, total)
         targets[slot, : len(following)] = following
     return {"tokens": tokens, "targets": targets, **_response_rows(batch, rows, num_rows, [0] * len(rows)),
-            "rows": torch.tensor(list(rows) + [-1] * (num_rows - len(rows)))}
+            "rows": torch.tensor(list(rows) + [-1] * (num_rows - len(rows))), "padding_mask": padding}
 
 
 def _response_rows(batch: dict, rows: list[int], num_rows: int, starts: list[int]) -> dict:
@@ -147,11 +152,13 @@ def make_packed_micro_batch(batch: dict, rows: list[int], length: int, slot_mult
     packed = pack_sequences(sequences, pad_to_multiple=slot_multiple)
     starts = packed.cu_seqlens_padded.tolist()[: len(rows)]
     targets = torch.zeros_like(packed.tokens)
+    padding = torch.ones_like(packed.tokens, dtype=torch.bool)
     for row, start, sequence in zip(rows, starts, sequences):
         following = _following(batch, row, 0, len(sequence))
         targets[0, start: start + len(following)] = following
+        padding[0, start: start + len(sequence)] = False
     return {"tokens": packed.tokens, "targets": targets, **_response_rows(batch, rows, max(len(rows), 1), starts),
-            "rows": torch.tensor(list(rows) or [-1]), "packed": packed}
+            "rows": torch.tensor(list(rows) or [-1]), "packed": packed, "padding_mask": padding}
 
 
 def prompt_groups(batch: dict, rows: list[int]) -> list[list[int]]:
@@ -214,6 +221,6 @@ def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length:
             starts[row] = g * length + cursor - (prompt - 1)
             cursor += count
     return {"tokens": tokens, "targets": targets, "position_ids": positions,
-            "segments": segments,
+            "segments": segments, "padding_mask": segments == PADDING,
             **_response_rows(batch, rows, max(len(rows), 1), [starts[r] for r in rows]),
             "rows": torch.tensor(list(rows) or [-1])}

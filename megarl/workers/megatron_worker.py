@@ -38,6 +38,7 @@ from megarl.workers.batch import (
     without_last_tokens,
 )
 from megarl.workers.losses import LossSettings, actor_loss, critic_loss, loss_share
+from model_specs import num_experts
 
 
 @dataclasses.dataclass
@@ -250,6 +251,13 @@ class MegatronWorker:
 
         from parallel.modules.context_parallel import split_for_context_parallel
 
+        moe = bool(num_experts(model.hf_config))
+
+        def padding(mask: torch.Tensor) -> dict:
+            """megatron's ``padding_mask`` argument for an MoE model: its load-balancing loss then
+            leaves the padding out (the rest of the model never mixes it into real tokens)."""
+            return {"padding_mask": mask} if moe else {}
+
         def forward_step(data_iterator, module):
             mb = next(data_iterator)
             if "packed" in mb:  # row positions of this CP rank's tokens; RoPE restarts per sequence
@@ -258,7 +266,7 @@ class MegatronWorker:
                 local = {"tokens": mb["tokens"][:, mine], "targets": mb["targets"][:, mine],
                          "position_ids": mine.unsqueeze(0)}
                 output = module(local["tokens"], packed.position_ids[:, mine], attention_mask=None,
-                                packed_seq_params=packed.packed_seq_params())
+                                packed_seq_params=packed.packed_seq_params(), **padding(mb["padding_mask"][:, mine]))
                 return output, lambda out: loss_of(mb, local, out)
             if "segments" in mb:  # shared-prompt rows: per-token RoPE positions, attention per branch
                 from parallel.models import unwrap_model
@@ -266,12 +274,14 @@ class MegatronWorker:
 
                 local = {"targets": mb["targets"], "position_ids": mb["position_ids"]}
                 with rotary_positions(unwrap_model(module), mb["position_ids"]):
-                    output = module(mb["tokens"], mb["position_ids"], attention_mask=mb["segments"])
+                    output = module(mb["tokens"], mb["position_ids"], attention_mask=mb["segments"],
+                                    **padding(mb["padding_mask"]))
                 return output, lambda out: loss_of(mb, local, out)
             positions = torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"])
             local = split_for_context_parallel({"tokens": mb["tokens"], "targets": mb["targets"],
-                                                "position_ids": positions})
-            output = module(local["tokens"], local["position_ids"], attention_mask=None)
+                                                "position_ids": positions, "padding_mask": mb["padding_mask"]})
+            output = module(local["tokens"], local["position_ids"], attention_mask=None,
+                            **padding(local["padding_mask"]))
             return output, lambda out: loss_of(mb, local, out)
 
         chunks = model.chunks

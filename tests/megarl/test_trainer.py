@@ -109,8 +109,8 @@ def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
     # Padded rows: the first step (same initial weights, seed and so rollouts; the learning rate
     # acts only after it) has the shared-prompt run's losses, entropy and KL. Later steps sample
     # from other weights. Not its grad norm: megatron's load-balancing loss is computed over a
-    # micro-batch's tokens, which padded rows hold each prompt n times (and padding) and shared-
-    # prompt rows once.
+    # micro-batch's tokens, among which padded rows hold each prompt n times and shared-prompt
+    # rows once.
     _assert_same_steps({m["step"]: m for m in control_steps}, {m["step"]: m for m in grpo_steps}, (1,),
                        keys=[k for k in COMPARED if k != "actor/grad_norm"])
 

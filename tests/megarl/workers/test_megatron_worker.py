@@ -146,3 +146,22 @@ def test_reward_model_scores_equal_hf_sequence_classifier(tmp_path, layout, batc
             prefix_scores = [float(model(ids[: p + j + 1].unsqueeze(0)).logits[0, 0]) for j in range(r)]
             assert values[i, :r].tolist() == pytest.approx(prefix_scores, abs=2e-5), i
             assert values[i, r:].abs().sum() == 0
+
+
+def test_padding_does_not_reach_an_moe_update(tiny_hf_model):
+    """Padding never influences an update, MoE models included: the same first update (losses and
+    grad norm, the load-balancing loss in it) at every layout, although at ep=2 over two replicas
+    and under pipelining every micro-batch is padded to the longest of all (one shape) and at ep=1
+    to its own longest row. Without the padding mask the worker passes, megatron's load-balancing
+    loss counts the padding positions' routing and the grad norms differ (by 7e-5 relative)."""
+    hf_dir = tiny_hf_model("tiny-qwen3-moe", seed=1)
+    batch = rollout_batch(300)
+    layouts = {"ep1_dp2": {}, "ep2": {"ep": 2}, "ep2_tp2_sp": {"ep": 2, "tp": 2, "sequence_parallel": True},
+               "pp2": {"pp": 2}}
+    runs = {name: run_on_ranks(worker_logprobs_and_updates, 2, hf_dir, layout, batch, 1, 1e-3, 2, None, timeout_s=240)
+            for name, layout in layouts.items()}
+    want = runs["ep1_dp2"][0]["metrics"][0]
+    for name, per_rank in runs.items():
+        got = per_rank[-1]["metrics"][0]
+        for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (name, key, got[key], want[key])
