@@ -19,6 +19,12 @@ _TINY = dict(
     hidden_act="silu", initializer_range=0.02, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
+# What Qwen3-30B-A3B and Qwen3-235B-A22B share: 128 experts, top-8 renormalised, 4 KV heads of 128.
+_QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=151936, num_key_value_heads=4, head_dim=128, num_experts=128,
+                  num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  router_aux_loss_coef=0.001, rms_norm_eps=1e-6, max_position_embeddings=40960, hidden_act="silu",
+                  tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Llama, untied, vocab 200 (not a multiple of 64: exercises padding everywhere).
     "tiny-llama": dict(_TINY, model_type="llama", vocab_size=200, tie_word_embeddings=False),
@@ -81,20 +87,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
                        rms_norm_eps=1e-6, max_position_embeddings=32768, hidden_act="silu",
                        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                          router_aux_loss_coef=0.001, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                          hidden_act="silu", tie_word_embeddings=False,
-                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-    "qwen3-235b-a22b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                            moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
-                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                            router_aux_loss_coef=0.001, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                            hidden_act="silu", tie_word_embeddings=False,
-                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64),
 }
 
 TINY_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
