@@ -147,6 +147,7 @@ class SGLangEngine:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device, self.tp_size, self.call_timeout_s = device, tp_size, call_timeout_s
+        self.model_path = str(model_path)
         # sleep_on_idle: an idle scheduler otherwise busy-polls its sockets (measured: 0.64 CPU
         # cores per idle CPU engine, 0.007 with it), stealing the CPU that colocated training uses.
         kwargs: dict[str, Any] = dict(model_path=str(model_path), tp_size=tp_size, dtype=dtype,
@@ -222,12 +223,27 @@ class SGLangEngine:
             raise
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict | list[dict],
-                 return_logprob: bool = False, timeout_s: float | None = None) -> list[dict]:
+                 return_logprob: bool = False, timeout_s: float | None = None,
+                 return_routed_experts: bool = False) -> list[dict]:
         """One dict per prompt: ``output_ids``, ``finish_reason`` ("stop": an end or stop token,
         "length": ``max_new_tokens`` reached, "abort"), ``cached_tokens`` (prompt tokens
-        whose KV came from the prefix cache) and, with ``return_logprob``, ``output_logprobs``
-        (log-prob of each output token)."""
-        return self.call("generate", input_ids, sampling_params, return_logprob, timeout_s=timeout_s)
+        whose KV came from the prefix cache), with ``return_logprob`` ``output_logprobs``
+        (log-prob of each output token) and, with ``return_routed_experts`` (an MoE model on an
+        engine started with ``enable_return_routed_experts=True``), ``routed_experts``: the
+        experts SGLang routed each position of prompt + output (but the last) to, an int32 tensor
+        [positions, layers, top-k] of global expert ids."""
+        results = self.call("generate", input_ids, sampling_params, return_logprob, return_routed_experts,
+                            timeout_s=timeout_s)
+        if return_routed_experts:
+            import json
+
+            import torch
+
+            topk = json.loads((Path(self.model_path) / "config.json").read_text())["num_experts_per_tok"]
+            for result in results:
+                routes = torch.from_numpy(result["routed_experts"])
+                result["routed_experts"] = routes.reshape(routes.shape[0], -1, topk)
+        return results
 
     def reseed(self, seed: int, timeout_s: float | None = None) -> None:
         """Put every scheduler (TP rank) into the sampling state of a freshly started engine with

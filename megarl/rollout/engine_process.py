@@ -26,11 +26,11 @@ from megarl.rollout.engine import SCHEDULER_PATCH_ENV_VAR
 from megarl.rollout.sglang_patches import RESEED_BUSY, RESEED_RPC
 
 
-def _do_generate(engine, input_ids, sampling_params, return_logprob):
+def _do_generate(engine, input_ids, sampling_params, return_logprob, return_routed_experts=False):
     outs = engine.generate(input_ids=input_ids, sampling_params=sampling_params,
-                           return_logprob=return_logprob)
+                           return_logprob=return_logprob, return_routed_experts=return_routed_experts)
     results = []
-    for out in [outs] if isinstance(outs, dict) else outs:
+    for i, out in enumerate([outs] if isinstance(outs, dict) else outs):
         meta = out["meta_info"]
         reason = meta.get("finish_reason")  # SGLang: {"type": "stop" | "length" | "abort", ...}
         res = {"output_ids": list(out["output_ids"]),
@@ -38,6 +38,12 @@ def _do_generate(engine, input_ids, sampling_params, return_logprob):
                "cached_tokens": int(meta.get("cached_tokens", 0))}
         if return_logprob:
             res["output_logprobs"] = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
+        if return_routed_experts:  # base64 of int32 [prompt + output - 1 positions, layers, top-k]
+            import numpy as np  # an array pickles by value; a torch tensor would go as a shared fd
+            import pybase64
+
+            routes = np.frombuffer(pybase64.b64decode(meta["routed_experts"]), dtype=np.int32)
+            res["routed_experts"] = routes.reshape(len(input_ids[i]) + len(res["output_ids"]) - 1, -1)
         results.append(res)
     return results
 

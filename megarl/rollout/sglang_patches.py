@@ -18,7 +18,8 @@ tokens as an uninterrupted one.
 
 The other patches: SGLang's weight checker hashes with
 :func:`megarl.rollout.weight_sync.weight_checksum` (what the trainer computes), the torch-native
-expert path computes a rank's own experts under expert parallelism (:func:`_patch_moe_native_module`), the torch-native
+expert path computes a rank's own experts under expert parallelism (:func:`_patch_moe_native_module`), host
+buffers are not pinned without CUDA (:func:`_patch_host_pool_module`), the torch-native
 attention backend batches its attention (:mod:`megarl.rollout.batched_attention`), the sampler
 samples by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and fp32 CPU linears run
 through oneDNN (:mod:`parallel.cpu.linear`).
@@ -36,6 +37,7 @@ RESEED_RPC = "megarl_reseed"  # the Scheduler method SGLangEngine.reseed() calls
 _SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 _WEIGHT_CHECKER_MODULE = "sglang.srt.utils.weight_checker"
 _MOE_NATIVE_MODULE = "sglang.srt.layers.moe.fused_moe_native"
+_HOST_POOL_MODULE = "sglang.srt.mem_cache.pool_host.common"
 RESEED_BUSY = "megarl_reseed: scheduler not idle"  # in the error of a scheduler that refused (busy)
 
 
@@ -113,6 +115,21 @@ def _local_experts_forward(layer, x, topk_output, moe_runner_config):
     return out.to(x.dtype)
 
 
+def _patch_host_pool_module(module) -> None:
+    """Without CUDA, SGLang's host buffers (the routed-experts capture's among them) are allocated
+    unpinned: pinning registers them with cudaHostRegister, which a CPU build of torch lacks."""
+    import torch
+
+    functions = getattr(module, "ALLOC_MEMORY_FUNCS", None)
+    if functions is None or torch.cuda.is_available():
+        return
+
+    def alloc_unpinned(dims, dtype, device, pin_memory=False, allocator=None, **_):
+        return allocator.allocate(dims, dtype=dtype, device=device)
+
+    functions["cpu"] = alloc_unpinned
+
+
 class _PostImportPatch(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for one module it asks the finders after it for the spec and wraps
     the loader's ``exec_module`` so the module is patched right after it executes. Removes itself
@@ -141,7 +158,8 @@ class _PostImportPatch(importlib.abc.MetaPathFinder):
 def install_scheduler_patch() -> None:
     """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class,
     hash with :func:`weight_checksum` in SGLang's weight checker, keep the torch-native expert path to
-a rank's own experts (:func:`_patch_moe_native_module`), batch the torch-native backend's
+a rank's own experts (:func:`_patch_moe_native_module`), allocate host buffers unpinned without CUDA
+(:func:`_patch_host_pool_module`), batch the torch-native backend's
     attention (:mod:`megarl.rollout.batched_attention`), sample
     by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and run fp32 CPU linears through
     oneDNN (:mod:`parallel.cpu.linear`) in this process: now for a module
@@ -160,6 +178,7 @@ a rank's own experts (:func:`_patch_moe_native_module`), batch the torch-native 
     for name, patch in ((_SCHEDULER_MODULE, _patch_scheduler_module),
                         (_WEIGHT_CHECKER_MODULE, _patch_weight_checker_module), (BACKEND_MODULE, patch_backend_module),
                         (SAMPLER_MODULE, patch_sampler_module), (_MOE_NATIVE_MODULE, _patch_moe_native_module),
+                        (_HOST_POOL_MODULE, _patch_host_pool_module),
                         (SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module)):
         if name in sys.modules:
             patch(sys.modules[name])

@@ -1,7 +1,8 @@
 """A real SGLang CPU engine serving an MoE model with expert parallelism (TP2, EP2: each rank holds
-half the experts, through megarl's expert-parallel patch of SGLang's torch-native expert path), and
-megarl's weight sync into its fused experts. Oracles: HF transformers' greedy tokens and log-probs,
-and SGLang's own loaders (checksums of every parameter of every rank)."""
+half the experts, through megarl's expert-parallel patch of SGLang's torch-native expert path), the
+experts it routes each token to, and megarl's weight sync into its fused experts. Oracles: HF
+transformers' greedy tokens, log-probs and router top-k, and SGLang's own loaders (checksums of
+every parameter of every rank)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def checkpoints(tiny_hf_model):
 
 @pytest.fixture(scope="module")
 def engine(checkpoints):
-    with SGLangEngine(checkpoints[0], tp_size=TP, ep_size=EP, startup_timeout_s=240, call_timeout_s=120) as eng:
+    with SGLangEngine(checkpoints[0], tp_size=TP, ep_size=EP, startup_timeout_s=240, call_timeout_s=120,
+                      enable_return_routed_experts=True) as eng:
         yield eng
     assert _engine_leftovers(eng.pid) == []
 
@@ -58,6 +60,27 @@ def _checksums(per_rank):
 def test_expert_parallel_engine_generates_what_hf_generates(engine, checkpoints):
     assert engine.rank_parameter_checksums() == _checksums(sglang_all_rank_parameters(checkpoints[0], TP, EP))
     _assert_greedy_matches_hf(engine, checkpoints[0])
+
+
+@pytest.mark.timeout(300)
+def test_routed_experts_are_hf_routers_top_k_at_every_position_and_layer(engine, checkpoints):
+    """What rollout routing replay records: for every position SGLang ran (prompt and output but
+    the last token), every layer's top-k expert ids, global ids under EP, as HF's router picks them."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts(PRESETS[PRESET]["vocab_size"])
+    outs = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+                           return_routed_experts=True)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[0], dtype=torch.float32).eval()
+    layers, topk = PRESETS[PRESET]["num_hidden_layers"], PRESETS[PRESET]["num_experts_per_tok"]
+    for prompt, out in zip(prompts, outs):
+        sequence = prompt + out["output_ids"][:-1]
+        with torch.no_grad():
+            logits = model(torch.tensor([sequence]), output_router_logits=True).router_logits
+        want = torch.stack([layer.reshape(len(sequence), -1).topk(topk, dim=-1).indices for layer in logits], 1)
+        routes = out["routed_experts"]
+        assert routes.shape == (len(sequence), layers, topk)
+        assert torch.equal(routes.long().sort(-1).values, want.sort(-1).values), f"prompt {prompt}"
 
 
 @pytest.mark.timeout(300)
