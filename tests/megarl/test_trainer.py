@@ -78,7 +78,7 @@ def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
     synced into two SGLang engines that each hold all four: the reward rises beyond a no-update
     control, and at every step the engines' log-probs of their samples equal the actor's
     recomputation (the experts each sync moves are exact)."""
-    common = {"model.path": "tiny-qwen3-moe", "actor.layout.ep": 2, "trainer.total_steps": 24,
+    common = {"model.path": "tiny-qwen3-moe", "actor.layout.ep": 2, "trainer.total_steps": 20,
               "trainer.save_every": 0, "data.batch_size": 16, "rollout.n": 8, "actor.micro_batch_size": 8,
               "ref.micro_batch_size": 8}
     code, output = _run(_overrides(prompts, tmp_path / "grpo", **common), timeout_s=900)
@@ -87,7 +87,7 @@ def test_grpo_reward_rises_against_a_no_update_control(prompts, tmp_path):
     assert "rows: one per prompt, its samples as branches" in output, output[-3000:]  # the default at n > 1
     # The no-update control: lr must be > 0, and at 1e-12 Adam moves each weight by ~1e-12. It also
     # lays out a row per sample (actor.shared_prompts=false): see the padded-rows check below.
-    control_settings = {**common, "actor.optim.lr": 1e-12, "trainer.total_steps": 8, "actor.shared_prompts": "false"}
+    control_settings = {**common, "actor.optim.lr": 1e-12, "trainer.total_steps": 6, "actor.shared_prompts": "false"}
     code, control_output = _run(_overrides(prompts, tmp_path / "control", **control_settings), timeout_s=600)
     assert code == 0, control_output[-3000:]
     assert "rows: one per sample" in control_output, control_output[-3000:]
