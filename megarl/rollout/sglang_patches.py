@@ -158,9 +158,9 @@ class _PostImportPatch(importlib.abc.MetaPathFinder):
 def install_scheduler_patch() -> None:
     """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class,
     hash with :func:`weight_checksum` in SGLang's weight checker, keep the torch-native expert path to
-a rank's own experts (:func:`_patch_moe_native_module`), allocate host buffers unpinned without CUDA
-(:func:`_patch_host_pool_module`), batch the torch-native backend's
-    attention (:mod:`megarl.rollout.batched_attention`), sample
+    a rank's own experts (:func:`_patch_moe_native_module`), allocate host buffers unpinned without
+    CUDA (:func:`_patch_host_pool_module`), batch the torch-native backend's attention
+    (:mod:`megarl.rollout.batched_attention`), sample
     by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and run fp32 CPU linears through
     oneDNN (:mod:`parallel.cpu.linear`) in this process: now for a module
     imported already, otherwise right after its import. Run at interpreter start (before SGLang
