@@ -111,17 +111,6 @@ class LaunchPlan:
                 "problems": self.problems, "warnings": self.warnings}
 
 
-def _layout_text(layout) -> str:
-    parts = [f"tp={layout.tp}", f"pp={layout.pp}", f"cp={layout.cp}", f"vpp={layout.vpp or '-'}"]
-    if layout.sequence_parallel:
-        parts.append("sp")
-    if layout.use_distributed_optimizer:
-        parts.append("dist-opt")
-    if layout.ep > 1 or layout.etp > 1:
-        parts.append(f"ep={layout.ep} etp={layout.etp}")
-    return " ".join(parts)
-
-
 def _micro_batching(cfg: RunConfig, role: str, dp: int, seq: int) -> tuple[int, int, str]:
     """(tokens per micro-batch, micro-batches per optimizer step and DP rank, description)."""
     section = getattr(cfg, role)
@@ -163,7 +152,7 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "non
                                    micro_batches=micro, trainable=trainable,
                                    value_head=role in VALUE_ROLES, recompute=recompute, role=role,
                                    attention=attention, sequence_length=seq)
-        roles.append(RolePlan(role, cfg.pool_for(role), world, _layout_text(layout), dp, text, memory=estimate,
+        roles.append(RolePlan(role, cfg.pool_for(role), world, str(layout), dp, text, memory=estimate,
                               attention=attention))
 
     # Pools: resident training states first (SGLang sizes itself from what is left).
@@ -261,8 +250,7 @@ def format_plan(plan: LaunchPlan) -> str:
            f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads} query / {shape.kv_heads} KV heads, "
            f"vocab {shape.vocab}"
            + (f"; MoE: {shape.experts} experts of intermediate size {shape.expert_ffn}, top-{shape.topk}, "
-              f"{_count(shape.total_params() - shape.layers * shape.layer_expert_params() * (1 - shape.topk / shape.experts))}"
-              " active per token" if shape.experts else ""),
+              f"{_count(shape.active_params())} active per token" if shape.experts else ""),
            f"cluster: {c.nodes} nodes x {c.ranks_per_node} {unit} = {c.world_size} ranks; pools: "
            + ", ".join(f"{k}={v}" for k, v in c.pool_sizes().items()),
            f"sequence: {cfg.data.max_prompt_length} prompt + {cfg.max_response_length} response tokens; "

@@ -152,6 +152,12 @@ class ModelShape:
         per_layer = self.layer_split_params() + self.layer_replicated_params() + self.layer_expert_params()
         return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
+    def active_params(self) -> int:
+        """Parameters a token passes through: all but the experts it is not routed to."""
+        unrouted = self.experts - self.topk
+        return self.total_params() - self.layers * (self.layer_expert_params() // self.experts * unrouted
+                                                    if self.experts else 0)
+
     def activation_elements_per_token(self, tp: int, sequence_parallel: bool, etp: int = 1) -> float:
         """Elements one layer saves for its backward per token on one TP rank (see module doc)."""
         replicated = 4 * self.hidden

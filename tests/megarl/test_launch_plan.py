@@ -267,8 +267,8 @@ def test_dry_runs_of_70b_scripts(script, tmp_path):
 
 
 @pytest.mark.parametrize("config, nodes, layout", [
-    (None, 1, "tp=1 pp=1 cp=1 vpp=- dist-opt ep=8 etp=1"),
-    ("configs/qwen3_235b_a22b_grpo_16x8.yaml", 16, "tp=4 pp=2 cp=1 vpp=- sp dist-opt ep=16 etp=1")])
+    (None, 1, "tp=1 pp=1 cp=1 dist-opt ep=8"),
+    ("configs/qwen3_235b_a22b_grpo_16x8.yaml", 16, "tp=4 pp=2 cp=1 sp dist-opt ep=16")])
 def test_dry_runs_of_the_qwen3_moe_script(config, nodes, layout, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
