@@ -31,6 +31,7 @@ sampling state of a freshly started engine whose ``random_seed`` is the given se
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -235,15 +236,19 @@ class SGLangEngine:
         results = self.call("generate", input_ids, sampling_params, return_logprob, return_routed_experts,
                             timeout_s=timeout_s)
         if return_routed_experts:
-            import json
-
             import torch
 
-            topk = json.loads((Path(self.model_path) / "config.json").read_text())["num_experts_per_tok"]
             for result in results:
                 routes = torch.from_numpy(result["routed_experts"])
-                result["routed_experts"] = routes.reshape(routes.shape[0], -1, topk)
+                result["routed_experts"] = routes.reshape(routes.shape[0], -1, self._experts_per_token)
         return results
+
+    @functools.cached_property
+    def _experts_per_token(self) -> int:
+        """The served MoE model's top-k (read once from its config.json)."""
+        import json
+
+        return json.loads((Path(self.model_path) / "config.json").read_text())["num_experts_per_tok"]
 
     def reseed(self, seed: int, timeout_s: float | None = None) -> None:
         """Put every scheduler (TP rank) into the sampling state of a freshly started engine with

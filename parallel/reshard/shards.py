@@ -328,7 +328,7 @@ def sglang_expert_problem(hf: Mapping[str, Any], tp: int, ep: int, cpu: bool = F
                 "model.embed_tokens.weight and set tie_word_embeddings=false)")
 
     def fits(e: int) -> bool:
-        return tp % e == 0 and experts % e == 0 and ffn % (tp // e) == 0
+        return e >= 1 and tp % e == 0 and experts % e == 0 and ffn % (tp // e) == 0
 
     if not fits(ep):
         return (f"does not fit tp={tp}, num_experts={experts}, {field}={ffn}: SGLang runs expert parallelism "
