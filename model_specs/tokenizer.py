@@ -95,6 +95,11 @@ def load_tokenizer(path: str | os.PathLike):
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in files):
+        # transformers would build an empty tokenizer from config.json's model type: every text -> []
+        raise ValueError(f"{path} holds no tokenizer (none of {', '.join(files)}); save the model's tokenizer "
+                         "there, or point model.tokenizer at one")
     config = Path(path) / "tokenizer_config.json"
     if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in (
             "TokenizersBackend", "PreTrainedTokenizerFast"):

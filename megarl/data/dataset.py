@@ -162,6 +162,10 @@ class PromptDataset(Sequence[PromptSample]):
                 row, origin, prompt_key, ground_truth_key, data_source_key, default_data_source, extra_info_key
             )
             n_tokens = len(sample.input_ids)
+            if n_tokens == 0:  # an engine cannot start a sequence from nothing (SGLang's scheduler crashes)
+                raise ValueError(f"{origin}: the prompt {sample.text[:80]!r} tokenizes to no tokens; "
+                                 "check the tokenizer (model.tokenizer, or the model directory's tokenizer files) "
+                                 "and data.prompt_template")
             shortest = n_tokens if shortest is None else min(shortest, n_tokens)
             if max_prompt_length is not None and n_tokens > max_prompt_length:
                 self.num_dropped += 1

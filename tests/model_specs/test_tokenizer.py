@@ -38,3 +38,17 @@ def test_saved_next_to_a_model_it_loads_as_saved(tmp_path, tiny_hf_model):
     assert tok.encode(text, add_special_tokens=False) == char_tokenizer().encode(text, add_special_tokens=False)
     assert len(tok.encode(text, add_special_tokens=False)) == len(text)
     assert tok.apply_chat_template([{"role": "user", "content": "a b"}], tokenize=False) == "<user>a b\n"
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused(tmp_path, tiny_hf_model):
+    """transformers would build an empty tokenizer from config.json alone (every prompt -> no
+    tokens, which crashed the SGLang engines); load_tokenizer names the directory and the fix."""
+    import shutil
+
+    import pytest
+
+    from model_specs.tokenizer import load_tokenizer
+
+    shutil.copy(f"{tiny_hf_model('tiny-qwen3-moe')}/config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match=f"{tmp_path} holds no tokenizer .*point model.tokenizer at one"):
+        load_tokenizer(tmp_path)

@@ -114,6 +114,9 @@ def test_bad_input_names_the_file_and_the_fix(tmp_path, char_tokenizer):
         PromptDataset(_jsonl(tmp_path / "n.jsonl", [{"prompt": 5, "data_source": "s"}]), char_tokenizer, ground_truth_key=None)
     with pytest.raises(ValueError, match="no data files"):
         PromptDataset([], char_tokenizer)
+    with pytest.raises(ValueError, match=r"blank.jsonl:row 0: the prompt '' tokenizes to no tokens; check the tokenizer"):
+        PromptDataset(_jsonl(tmp_path / "blank.jsonl", [{"prompt": "", "data_source": "s"}]), char_tokenizer,
+                      ground_truth_key=None, prompt_template="{prompt}")
 
 
 def test_io_roundtrip_and_dotted_fields(tmp_path):
