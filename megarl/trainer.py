@@ -268,6 +268,8 @@ class Trainer:
         gpu = cfg.cluster.device == "gpu"
         r = cfg.rollout
         engine_kwargs: dict[str, Any] = {"random_seed": cfg.trainer.seed, "ep_size": r.ep}
+        if cfg.actor.routing_replay:
+            engine_kwargs["enable_return_routed_experts"] = True
         if gpu:
             engine_kwargs["mem_fraction_static"] = r.mem_fraction_static
         else:  # each engine rank gets a Megatron rank's share of the cores; without this it would
@@ -293,7 +295,8 @@ class Trainer:
         where = (f"on their own pool {r.pool!r}" if r.placement == "separate" else "colocated")
         rows = ("one per prompt, its samples as branches (shared prompts)" if cfg.shared_prompt_rows
                 else "one packed row per micro-batch" if cfg.actor.sequence_packing else "one per sample")
-        self.log(f"megarl: {num_engines} SGLang engine(s) of TP={r.tp} {where}; rows: {rows}")
+        replay = "; routing replay: the actor's routers use the engines' experts" if cfg.actor.routing_replay else ""
+        self.log(f"megarl: {num_engines} SGLang engine(s) of TP={r.tp} {where}; rows: {rows}{replay}")
 
     def model_specs(self) -> list:
         """The ``ModelSpec`` of every Megatron model the run builds, the actor's first."""
@@ -315,7 +318,8 @@ class Trainer:
         packed, shared = a.sequence_packing, cfg.shared_prompt_rows
         specs = [ModelSpec("actor", self.model_dir, layout,
                            MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch, packed, shared),
-                           a.optim, cfg.trainer.total_steps * steps_per_rl_step, actor_loss, cfg.model.dtype)]
+                           a.optim, cfg.trainer.total_steps * steps_per_rl_step, actor_loss, cfg.model.dtype,
+                           routing_replay=a.routing_replay)]
         if cfg.needs_reference:
             specs.append(ModelSpec("ref", self.model_dir, cfg.layout_for("ref").to_megatron(),
                                    MicroBatching(cfg.ref.micro_batch_size, packed=packed, shared_prompts=shared),
@@ -462,6 +466,8 @@ class Trainer:
             rollout_logp[i, : len(resp)] = torch.tensor(logp, dtype=torch.float32)
             if masks is not None:
                 loss_mask[i, : len(resp)] = torch.tensor(masks[i], dtype=torch.float32)
+        if self.cfg.actor.routing_replay:
+            extra["routed_experts"] = _routes_of_samples([out["routed_experts"] for out in outputs], ids.shape[1])
         repeat = lambda values: [v for v in values for _ in range(n)]  # noqa: E731
         batch = {
             "input_ids": ids,
@@ -509,7 +515,7 @@ class Trainer:
         from megarl.rollout.engine import EngineDiedError
 
         def ask(e: int):
-            return self.engines[e].generate.remote(inputs[e], params[e], seeds[e])
+            return self.engines[e].generate.remote(inputs[e], params[e], seeds[e], self.cfg.actor.routing_replay)
 
         if self.faults.fire("kill_engine", step + 1):
             self.log(f"megarl: fault injection: killing engine 0 (pid {ray.get(self.engines[0].kill_engine.remote())})")
@@ -680,8 +686,9 @@ class Trainer:
 
     def save_rollouts(self, batch: dict, scores: torch.Tensor, step: int) -> Path:
         """This step's samples as ``rollouts/step_<k>.jsonl``: one line per sample with its prompt
-        and response token ids, the response text, its score and advantage at the first token (and
-        for multi-turn trajectories the loss mask, the tool calls and how it ended)."""
+        and response token ids, the response text, its score and advantage at the first token (with
+        routing replay its routed experts [positions][layers][top-k]; for multi-turn trajectories
+        the loss mask, the tool calls and how it ended)."""
         from parallel.checkpoint.atomic import atomic_file
 
         target = self.out / "rollouts" / f"step_{step:06d}.jsonl"
@@ -691,6 +698,8 @@ class Trainer:
             ids = batch["input_ids"][i].tolist()
             line = {"uid": batch["uid"][i], "prompt_ids": ids[:prompt], "response_ids": ids[prompt:prompt + response],
                     "response": text, "score": float(scores[i]), "advantage": float(batch["advantages"][i, 0])}
+            if "routed_experts" in batch:  # routing replay: the experts of every position the engine ran
+                line["routed_experts"] = batch["routed_experts"][i, : prompt + response - 1].tolist()
             if "tool_calls" in batch:  # multi-turn: which response tokens the policy wrote, its tool calls
                 line.update(loss_mask=batch["loss_mask"][i, :response].int().tolist(),
                             tool_calls=batch["tool_calls"][i], finish=batch["finish"][i])
@@ -900,6 +909,18 @@ class _Timer:
                 timer.timeline.span(phase, "controller", self.start, end, timer.step)
 
         return _Phase()
+
+
+def _routes_of_samples(routes: list[torch.Tensor], width: int) -> torch.Tensor:
+    """The batch's ``routed_experts`` ``[samples, width, layers, top-k]`` (int16) from each sample's
+    engine routes ``[positions, layers, top-k]`` (prompt and response but the last token): the
+    positions the engine did not route (the last token, padding) get experts ``0 .. top-k - 1``,
+    which no log-prob reads."""
+    layers, topk = routes[0].shape[1:]
+    batch = torch.arange(topk, dtype=torch.int16).expand(len(routes), width, layers, topk).clone()
+    for i, sample in enumerate(routes):
+        batch[i, : min(len(sample), width)] = sample[:width].to(torch.int16)
+    return batch
 
 
 def _recomputes_old_logp(t: Trainer) -> bool:

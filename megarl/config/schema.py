@@ -194,6 +194,11 @@ class ActorConfig(_Section):
                                          fix="use 3.0, or null to turn dual-clip off")
     entropy_coef: Float = bounded(0.0, ge=0, fix="use 0.0 or e.g. 0.001")
     kl_loss: KLLossConfig = field(default_factory=KLLossConfig)
+    # Rollout routing replay (MoE models): the engines record the experts they routed every token
+    # to in every layer, and the actor's routers use those experts in its log-prob recomputation
+    # and its update instead of their own top-k (parallel/modules/routing_replay.py), so that the
+    # trainer computes the probabilities of the computation that sampled the tokens.
+    routing_replay: Bool = False
 
 
 @dataclass

@@ -383,24 +383,12 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
             p.add("rollout.tp", r.tp, f"the rollout pool {cfg.pool_for('rollout')!r} has {world} ranks, not a "
                   "multiple of the engines' tensor-parallel size", f"pick one of {_divisors(world)}")
         if hf_config is not None:
-            heads = hf_config["num_attention_heads"]
-            kv = hf_config.get("num_key_value_heads") or heads
-            # SGLang's GPU engines replicate the KV heads over a tp above their number; its CPU
-            # engine pads them to a multiple of tp instead (and the query heads with them), a
-            # layout the weight sync does not write.
+            from parallel.reshard.shards import sglang_expert_problem, sglang_tp_problem
+
             cpu = cfg.cluster.device == "cpu"
-
-            def fits(tp: int) -> bool:
-                return heads % tp == 0 and (kv % tp == 0 or (tp % kv == 0 and not cpu))
-
-            if not fits(r.tp):
-                need = (f"num_key_value_heads={kv} divisible by tp on CPU (SGLang's CPU engine pads the KV "
-                        "heads instead of replicating them)" if cpu
-                        else f"num_key_value_heads={kv} divisible by tp or tp by it (KV heads are split or replicated)")
-                p.add("rollout.tp", r.tp, f"SGLang needs num_attention_heads={heads} divisible by tp and {need}",
-                      f"pick one of {[t for t in range(1, heads + 1) if fits(t)]}")
-            from parallel.reshard.shards import sglang_expert_problem
-
+            tp_problem = sglang_tp_problem(hf_config, r.tp, cpu=cpu)
+            if tp_problem is not None:
+                p.add("rollout.tp", r.tp, *tp_problem)
             expert_problem = sglang_expert_problem(hf_config, r.tp, r.ep, cpu=cpu)
             if expert_problem is not None:
                 p.add("rollout.ep", r.ep, *expert_problem)
@@ -453,6 +441,15 @@ def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, rl: bool
     if cfg.actor.shared_prompts:
         for obstacle in cfg.shared_prompt_obstacles:
             p.add("actor.shared_prompts", True, obstacle, "set actor.shared_prompts=false (or null: on where possible)")
+    if cfg.actor.routing_replay:
+        from model_specs import num_experts
+
+        if hf_config is not None and not num_experts(hf_config):
+            p.add("actor.routing_replay", True, f"model {cfg.model.path} is not a Mixture-of-Experts model "
+                  "(it has no routers to replay)", "set actor.routing_replay=false")
+        if cfg.rollout.multi_turn.enabled:
+            p.add("actor.routing_replay", True, "multi-turn trajectories are not recorded with their routes yet",
+                  "set actor.routing_replay=false, or rollout.multi_turn.enabled=false")
     if hf_config is not None:
         positions = hf_config.get("max_position_embeddings")
         total = cfg.data.max_prompt_length + cfg.max_response_length

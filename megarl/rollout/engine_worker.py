@@ -23,16 +23,19 @@ class RolloutWorker:
         self.engine = self._start()
         self._stale_prefix_cache = False  # weights changed, cached KV not flushed yet
 
-    def generate(self, prompts: list[list[int]], sampling_params: list[dict], seed: int | None) -> list[dict]:
-        """One dict per prompt: ``output_ids``, ``output_logprobs``, ``finish_reason``. With
-        ``seed``, sampling is re-seeded first so the tokens are a function of (weights, seed)."""
+    def generate(self, prompts: list[list[int]], sampling_params: list[dict], seed: int | None,
+                 return_routed_experts: bool = False) -> list[dict]:
+        """One dict per prompt: ``output_ids``, ``output_logprobs``, ``finish_reason`` (and
+        ``routed_experts``, see ``SGLangEngine.generate``). With ``seed``, sampling is re-seeded
+        first so the tokens are a function of (weights, seed)."""
         if seed is not None:
             self.engine.reseed(seed)  # also flushes the prefix cache
         elif self._stale_prefix_cache:
             self.engine.call("flush_cache")
         self._stale_prefix_cache = False
         prefill_shared_prompts(self.engine, prompts)
-        return self.engine.generate(prompts, sampling_params, return_logprob=True)
+        return self.engine.generate(prompts, sampling_params, return_logprob=True,
+                                    return_routed_experts=return_routed_experts)
 
     def update_weights(self, *per_rank: dict[str, tuple] | bytes | None) -> dict[str, float]:
         """Copy each engine rank's shards (argument r = rank r, as ``shards_for_transport`` packs

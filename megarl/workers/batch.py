@@ -18,6 +18,11 @@ A batch is a dict of tensors over ``B`` samples:
 Every micro-batch carries ``padding_mask`` (True on positions that hold no token of a sample):
 an MoE model's load-balancing loss leaves them out, as every other term does by construction.
 
+Optionally ``routed_experts`` ``[B, T, layers, top-k]``: the experts the rollout engine routed
+token ``t`` of each sample to in every layer (rollout routing replay); its micro-batches then
+carry them as ``routes`` ``[rows, length, layers, top-k]`` at each token's position, padding
+routed to experts ``0 .. top-k - 1`` (whose outputs are never read).
+
 Every rank of a data-parallel replica gets the same rows; which rows a replica gets and how they
 form micro-batches is a pure function of the batch and the layout, so every rank computes it
 itself and no rank waits for another to tell it.
@@ -67,6 +72,20 @@ def _following(batch: dict, row: int, start: int, count: int) -> torch.Tensor:
     return batch["input_ids"][row, start + 1: start + 1 + count]
 
 
+def _padding_routes(batch: dict, num_rows: int, length: int) -> torch.Tensor | None:
+    """A micro-batch's ``routes`` before its samples are placed: every position routed to experts
+    ``0 .. top-k - 1`` (distinct, as a router's top-k are); None when ``batch`` has no routes."""
+    if "routed_experts" not in batch:
+        return None
+    routed = batch["routed_experts"]
+    layers, topk = routed.shape[2:]
+    return torch.arange(topk, dtype=routed.dtype).expand(num_rows, length, layers, topk).clone()
+
+
+def _with_routes(micro_batch: dict, routes: torch.Tensor | None) -> dict:
+    return micro_batch if routes is None else dict(micro_batch, routes=routes)
+
+
 def response_mask(batch: dict) -> torch.Tensor:
     """``[B, R]`` float mask of the response tokens trained on: real ones, times ``loss_mask``."""
     width = int(batch["response_lengths"].max()) if len(batch["response_lengths"]) else 0
@@ -100,14 +119,18 @@ def make_micro_batch(batch: dict, rows: list[int], length: int, num_rows: int) -
     tokens = torch.zeros(num_rows, length, dtype=torch.long)
     targets = torch.zeros_like(tokens)
     padding = torch.ones(num_rows, length, dtype=torch.bool)
+    routes = _padding_routes(batch, num_rows, length)
     for slot, row in enumerate(rows):
         total = int(input_lengths(batch)[row])
         tokens[slot, :total] = batch["input_ids"][row, :total]
         padding[slot, :total] = False
         following = _following(batch, row, 0, total)
         targets[slot, : len(following)] = following
-    return {"tokens": tokens, "targets": targets, **_response_rows(batch, rows, num_rows, [0] * len(rows)),
-            "rows": torch.tensor(list(rows) + [-1] * (num_rows - len(rows))), "padding_mask": padding}
+        if routes is not None:
+            routes[slot, :total] = batch["routed_experts"][row, :total]
+    return _with_routes({"tokens": tokens, "targets": targets, **_response_rows(batch, rows, num_rows, [0] * len(rows)),
+                         "rows": torch.tensor(list(rows) + [-1] * (num_rows - len(rows))), "padding_mask": padding},
+                        routes)
 
 
 def _response_rows(batch: dict, rows: list[int], num_rows: int, starts: list[int]) -> dict:
@@ -153,12 +176,16 @@ def make_packed_micro_batch(batch: dict, rows: list[int], length: int, slot_mult
     starts = packed.cu_seqlens_padded.tolist()[: len(rows)]
     targets = torch.zeros_like(packed.tokens)
     padding = torch.ones_like(packed.tokens, dtype=torch.bool)
+    routes = _padding_routes(batch, 1, packed.tokens.shape[1])
     for row, start, sequence in zip(rows, starts, sequences):
         following = _following(batch, row, 0, len(sequence))
         targets[0, start: start + len(following)] = following
         padding[0, start: start + len(sequence)] = False
-    return {"tokens": packed.tokens, "targets": targets, **_response_rows(batch, rows, max(len(rows), 1), starts),
-            "rows": torch.tensor(list(rows) or [-1]), "packed": packed, "padding_mask": padding}
+        if routes is not None:
+            routes[0, start: start + len(sequence)] = batch["routed_experts"][row, : len(sequence)]
+    return _with_routes({"tokens": packed.tokens, "targets": targets,
+                         **_response_rows(batch, rows, max(len(rows), 1), starts),
+                         "rows": torch.tensor(list(rows) or [-1]), "packed": packed, "padding_mask": padding}, routes)
 
 
 def prompt_groups(batch: dict, rows: list[int]) -> list[list[int]]:
@@ -200,6 +227,7 @@ def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length:
     targets = torch.zeros_like(tokens)
     positions = torch.zeros_like(tokens)
     segments = torch.full_like(tokens, PADDING)
+    routes = _padding_routes(batch, num_groups, length)
     starts = {}  # sample row -> where its sequence would start in the flattened outputs
     for g, group in enumerate(groups):
         if shared_prompt_row_length(batch, group) > length:
@@ -210,6 +238,8 @@ def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length:
         targets[g, : prompt - 1] = _following(batch, group[0], 0, prompt - 1)
         positions[g, : prompt - 1] = torch.arange(prompt - 1)
         segments[g, : prompt - 1] = PREFIX
+        if routes is not None:  # the prompt's routes: the same in every sample of it
+            routes[g, : prompt - 1] = batch["routed_experts"][group[0], : prompt - 1]
         cursor = prompt - 1
         for branch, row in enumerate(group, start=PREFIX + 1):
             count = int(input_lengths(batch)[row]) - (prompt - 1)
@@ -218,9 +248,11 @@ def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length:
             targets[g, cursor: cursor + len(following)] = following
             positions[g, cursor: cursor + count] = torch.arange(prompt - 1, prompt - 1 + count)
             segments[g, cursor: cursor + count] = branch
+            if routes is not None:
+                routes[g, cursor: cursor + count] = batch["routed_experts"][row, prompt - 1: prompt - 1 + count]
             starts[row] = g * length + cursor - (prompt - 1)
             cursor += count
-    return {"tokens": tokens, "targets": targets, "position_ids": positions,
-            "segments": segments, "padding_mask": segments == PADDING,
-            **_response_rows(batch, rows, max(len(rows), 1), [starts[r] for r in rows]),
-            "rows": torch.tensor(list(rows) or [-1])}
+    return _with_routes({"tokens": tokens, "targets": targets, "position_ids": positions,
+                         "segments": segments, "padding_mask": segments == PADDING,
+                         **_response_rows(batch, rows, max(len(rows), 1), [starts[r] for r in rows]),
+                         "rows": torch.tensor(list(rows) or [-1])}, routes)

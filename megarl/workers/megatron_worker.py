@@ -53,6 +53,9 @@ class ModelSpec:
     total_optimizer_steps: int = 1  # for the learning-rate schedule
     loss: LossSettings = dataclasses.field(default_factory=LossSettings)
     dtype: str = "float32"
+    # An MoE model's routers replay the batch's ``routed_experts`` (the rollout engine's choices)
+    # instead of their own top-k (``parallel.modules.routing_replay``)
+    routing_replay: bool = False
 
 
 def learning_rate(optim, step: int, total_steps: int) -> float:
@@ -166,9 +169,13 @@ class MegatronWorker:
                                               shared_prompts=spec.batching.shared_prompts)
             load_hf_into_value_chunks(chunks, ckpt, spec.layout)
         else:
+            if spec.routing_replay and not num_experts(ckpt.config):
+                raise ValueError(f"routing replay for {spec.role}: {spec.hf_dir} is not an MoE model (it has no "
+                                 "routers); turn actor.routing_replay off")
             chunks = build_model_chunks(ckpt.config, spec.layout, params_dtype=dtype,
                                         packed_sequences=spec.batching.packed,
-                                        shared_prompts=spec.batching.shared_prompts)
+                                        shared_prompts=spec.batching.shared_prompts,
+                                        **({"moe_enable_routing_replay": True} if spec.routing_replay else {}))
             load_hf_into_chunks(chunks, ckpt, spec.layout)
         optimizer = None
         if spec.optim is not None:
@@ -249,7 +256,9 @@ class MegatronWorker:
         returns (loss, stats dict) on the last stage. Returns the stats of every micro-batch."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from parallel.models import unwrap_model
         from parallel.modules.context_parallel import split_for_context_parallel
+        from parallel.modules.routing_replay import replay_routes
 
         moe = bool(num_experts(model.hf_config))
 
@@ -258,28 +267,36 @@ class MegatronWorker:
             leaves the padding out (the rest of the model never mixes it into real tokens)."""
             return {"padding_mask": mask} if moe else {}
 
+        def replay(module, routes: torch.Tensor | None) -> None:
+            """The rollout's experts for this micro-batch's tokens (this CP rank's positions)."""
+            if model.spec.routing_replay:
+                replay_routes(unwrap_model(module), routes)
+
         def forward_step(data_iterator, module):
             mb = next(data_iterator)
             if "packed" in mb:  # row positions of this CP rank's tokens; RoPE restarts per sequence
                 packed = mb["packed"]
                 mine = packed.local_positions()
+                replay(module, mb["routes"][:, mine] if "routes" in mb else None)
                 local = {"tokens": mb["tokens"][:, mine], "targets": mb["targets"][:, mine],
                          "position_ids": mine.unsqueeze(0)}
                 output = module(local["tokens"], packed.position_ids[:, mine], attention_mask=None,
                                 packed_seq_params=packed.packed_seq_params(), **padding(mb["padding_mask"][:, mine]))
                 return output, lambda out: loss_of(mb, local, out)
             if "segments" in mb:  # shared-prompt rows: per-token RoPE positions, attention per branch
-                from parallel.models import unwrap_model
                 from parallel.modules.shared_prefix import rotary_positions
 
                 local = {"targets": mb["targets"], "position_ids": mb["position_ids"]}
+                replay(module, mb.get("routes"))
                 with rotary_positions(unwrap_model(module), mb["position_ids"]):
                     output = module(mb["tokens"], mb["position_ids"], attention_mask=mb["segments"],
                                     **padding(mb["padding_mask"]))
                 return output, lambda out: loss_of(mb, local, out)
             positions = torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"])
             local = split_for_context_parallel({"tokens": mb["tokens"], "targets": mb["targets"],
-                                                "position_ids": positions, "padding_mask": mb["padding_mask"]})
+                                                "position_ids": positions, "padding_mask": mb["padding_mask"],
+                                                **({"routes": mb["routes"]} if "routes" in mb else {})})
+            replay(module, local.get("routes"))
             output = module(local["tokens"], local["position_ids"], attention_mask=None,
                             **padding(local["padding_mask"]))
             return output, lambda out: loss_of(mb, local, out)

@@ -291,19 +291,32 @@ def _sglang_qkv_pieces(hf_names, hf_shapes, tp_rank: int, tp: int, head_dim: int
 
 
 def validate_sglang_tp(hf: Mapping[str, Any], tp: int, ep: int = 1) -> None:
-    """SGLang's own asserts: heads % tp == 0 and (kv % tp == 0 or tp % kv == 0); for an MoE model
-    also ep divides tp and the experts, and the experts' intermediate size splits over tp / ep."""
+    """Raise ValueError where SGLang cannot serve ``hf`` at TP ``tp`` and EP ``ep``
+    (``sglang_tp_problem``, ``sglang_expert_problem``)."""
+    for field, value, problem in (("tp", tp, sglang_tp_problem(hf, tp)), ("ep", ep, sglang_expert_problem(hf, tp, ep))):
+        if problem is not None:
+            raise ValueError(f"rollout {field}={value}: {problem[0]}; {problem[1]}")
+
+
+def sglang_tp_problem(hf: Mapping[str, Any], tp: int, cpu: bool = False) -> tuple[str, str] | None:
+    """What keeps SGLang (its CPU engine when ``cpu``) from serving ``hf`` at TP ``tp``, as
+    (problem, fix); None when nothing does. Its asserts: heads % tp == 0 and (kv % tp == 0 or
+    tp % kv == 0): its GPU engines replicate the KV heads over a tp above their number; its CPU
+    engine pads them to a multiple of tp instead (the query heads with them), a layout the weight
+    sync does not write."""
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
-    if tp < 1 or heads % tp or (kv % tp and tp % kv):
-        raise ValueError(
-            f"rollout tp={tp} does not fit num_attention_heads={heads}, num_key_value_heads={kv}: SGLang needs "
-            f"heads % tp == 0 and (kv % tp == 0 or tp % kv == 0); pick tp from "
-            f"{[t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]}"
-        )
-    problem = sglang_expert_problem(hf, tp, ep)
-    if problem is not None:
-        raise ValueError(f"rollout ep={ep}: {problem[0]}; {problem[1]}")
+
+    def fits(t: int) -> bool:
+        return t >= 1 and heads % t == 0 and (kv % t == 0 or (t % kv == 0 and not cpu))
+
+    if fits(tp):
+        return None
+    need = (f"num_key_value_heads={kv} divisible by tp on CPU (SGLang's CPU engine pads the KV heads instead of "
+            "replicating them)" if cpu else
+            f"num_key_value_heads={kv} divisible by tp or tp by it (KV heads are split or replicated)")
+    return (f"SGLang needs num_attention_heads={heads} divisible by tp and {need}",
+            f"pick tp from {[t for t in range(1, heads + 1) if fits(t)]}")
 
 
 # SGLang's CPU engine pads every intermediate size to a multiple of this times tp (its default MoE

@@ -132,7 +132,7 @@ def test_megatron_tp_must_divide_the_heads_but_sglang_may_replicate_kv(problems,
     line = _one(problems("rollout.tp=2"))
     assert line.startswith("rollout.tp=2: SGLang needs num_attention_heads=4 divisible by tp and "
                            "num_key_value_heads=1 divisible by tp on CPU"), line
-    assert "pick one of [1]" in line
+    assert "pick tp from [1]" in line
 
 
 def test_rollout_expert_parallelism_against_the_model_and_the_cpu_engine(problems, data_file):
@@ -151,11 +151,22 @@ def test_rollout_expert_parallelism_against_the_model_and_the_cpu_engine(problem
     assert "tie_word_embeddings=True, and SGLang's MixtralForCausalLM has no tied embeddings" in line, line
 
 
+def test_routing_replay_needs_an_moe_model_and_single_turn_rollouts(problems, data_file):
+    line = _one(problems("actor.routing_replay=true"))  # the quickstart's tiny-qwen2 is dense
+    assert line.startswith("actor.routing_replay=true: model tiny-qwen2 is not a Mixture-of-Experts model"), line
+    assert "set actor.routing_replay=false" in line, line
+    line = _one(problems("model.path=tiny-qwen3-moe", "actor.routing_replay=true", "rollout.multi_turn.enabled=true",
+                      "rollout.multi_turn.max_total_tokens=64"))
+    assert line.startswith("actor.routing_replay=true: multi-turn trajectories are not recorded"), line
+    load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "model.path=tiny-qwen3-moe",
+                             "actor.routing_replay=true"])
+
+
 def test_rollout_tp_against_heads_and_its_pool(problems):
     lines = problems("rollout.tp=3", "cluster.cpu_ranks_per_node=6", "data.batch_size=6")
     line = _one(lines)
     assert line.startswith("rollout.tp=3: SGLang needs num_attention_heads=4 divisible by tp")
-    assert "pick one of [1]" in line  # on CPU; [1, 2, 4] on GPUs (KV heads replicated)
+    assert "pick tp from [1]" in line  # on CPU; [1, 2, 4] on GPUs (KV heads replicated)
     line = _one(problems("rollout.tp=4", "cluster.gpus_per_node=2"))  # 4 fits the heads (GPU), not the 2 ranks
     assert line.startswith("rollout.tp=4: the rollout pool 'global' has 2 ranks")
 

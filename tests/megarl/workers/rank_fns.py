@@ -39,6 +39,29 @@ def worker_logprobs_and_updates(hf_dir, layout_kwargs, batch, steps, lr, micro_b
     return {"ref": ref, "metrics": metrics, "after": after}
 
 
+def worker_routing_replay(hf_dir, layout_kwargs, batch, micro_batch_size, batching=None):
+    """A MegatronWorker's MoE actor built for routing replay: its log-probs of ``batch`` with the
+    batch's ``routed_experts`` replayed and (the same model, the routes left out) with its own
+    routing, then the metrics of one update with them replayed."""
+    from megarl.config.schema import OptimSettings
+    from megarl.workers.batch import MicroBatching, response_mask
+    from megarl.workers.losses import LossSettings
+    from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
+    from parallel.layout import MegatronLayout
+
+    worker = MegatronWorker()
+    batching = MicroBatching(micro_batch_size=micro_batch_size, **(batching or {}))
+    worker.setup(ModelSpec("actor", hf_dir, MegatronLayout(**layout_kwargs), batching, OptimSettings(lr=1e-3),
+                           loss=LossSettings(loss_agg_mode="seq-mean-token-mean"), routing_replay=True), seed=7)
+    replayed = worker.forward("actor", batch)
+    own = worker.forward("actor", {k: v for k, v in batch.items() if k != "routed_experts"})
+    mask = response_mask(batch)
+    counts = {"tokens": float(mask.sum()), "sequences": float((mask.sum(-1) > 0).sum())}
+    metrics = worker.update("actor", dict(batch, old_logp=torch.zeros_like(mask)), counts)
+    worker.shutdown()
+    return {"replayed": replayed, "own": own, "metrics": metrics}
+
+
 def worker_reward_values(rm_dir, layout_kwargs, batch, micro_batch_size, batching=None):
     """A MegatronWorker running a reward model at a layout: its per-response-token values of
     ``batch`` (the score of a sample is the value at its last token); ``batching`` as above."""

@@ -8,7 +8,7 @@ import torch
 
 from model_specs.presets import save_tiny_hf_model
 from parallel.spawn import run_on_ranks
-from tests.megarl.workers.rank_fns import worker_logprobs_and_updates, worker_reward_values
+from tests.megarl.workers.rank_fns import worker_logprobs_and_updates, worker_reward_values, worker_routing_replay
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18]]
 RESPONSES = [[20, 21, 22, 23], [24], [25, 26, 27], [28, 29]]
@@ -165,3 +165,75 @@ def test_padding_does_not_reach_an_moe_update(tiny_hf_model):
         got = per_rank[-1]["metrics"][0]
         for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5), (name, key, got[key], want[key])
+
+
+def hf_logprobs_with_routes(hf_dir: str, batch: dict) -> torch.Tensor:
+    """The oracle of routing replay: HF transformers' log-probs of each response token when every
+    layer's router (``Qwen3MoeTopKRouter``) takes the batch's ``routed_experts`` as its top-k and
+    weighs them by its own renormalised softmax probabilities."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    routers = [layer.mlp.gate for layer in model.model.layers]
+    forced: list[torch.Tensor] = []  # [positions, top-k] of each layer for the sample being run
+
+    def routed_forward(router, hidden_states):
+        hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, router.weight)
+        top = forced[routers.index(router)]
+        probs = logits.softmax(-1, dtype=torch.float).gather(-1, top)
+        return logits, (probs / probs.sum(-1, keepdim=True)).to(logits.dtype), top
+
+    for router in routers:
+        router.forward = routed_forward.__get__(router)
+    width = int(batch["response_lengths"].max())
+    logp = torch.zeros(len(batch["input_ids"]), width)
+    with torch.no_grad():
+        for i, ids in enumerate(batch["input_ids"]):
+            p, r = int(batch["prompt_lengths"][i]), int(batch["response_lengths"][i])
+            forced[:] = batch["routed_experts"][i, : p + r].long().unbind(1)
+            logits = model(ids[: p + r].unsqueeze(0)).logits[0].log_softmax(-1)
+            logp[i, :r] = logits[p - 1: p + r - 1].gather(-1, ids[p: p + r].unsqueeze(-1)).squeeze(-1)
+    return logp
+
+
+def test_routing_replay_routes_as_the_rollout_did_at_every_layout(tiny_hf_model):
+    """With the rollout's experts replayed (here random ones, far from the model's own choices,
+    the same for the samples of one prompt over its tokens), the actor's log-probs equal HF's with
+    its routers forced to those experts, at every layout: the routes reach each router in its own
+    token order (experts split over ranks, sequence-parallel shares, context-parallel zig-zag of
+    packed rows, pipeline stages' layers, shared-prompt rows). Without routes the same model routes
+    by itself (HF's log-probs); with them an update is the same at every layout."""
+    from megarl.workers.batch import response_mask
+
+    hf_dir = tiny_hf_model("tiny-qwen3-moe", seed=1)
+    batch = rollout_batch(300)
+    rows, width = batch["input_ids"].shape
+    from model_specs.presets import PRESETS
+
+    preset = PRESETS["tiny-qwen3-moe"]
+    layers, experts, topk = preset["num_hidden_layers"], preset["num_experts"], preset["num_experts_per_tok"]
+    generator = torch.Generator().manual_seed(5)
+    routes = torch.rand(rows, width, layers, experts, generator=generator).argsort(-1)[..., :topk].to(torch.int16)
+    for i in range(1, rows, 2):  # sample i repeats sample i-1's prompt: the engine routed it alike
+        prompt = int(batch["prompt_lengths"][i])
+        routes[i, :prompt] = routes[i - 1, :prompt]
+    batch["routed_experts"] = routes
+    mask = response_mask(batch).bool()
+    want_replayed, want_own = hf_logprobs_with_routes(hf_dir, batch), hf_response_logprobs(hf_dir, batch)[0]
+    assert (want_replayed - want_own)[mask].abs().max() > 0.01  # the forced routes change the outputs
+    layouts = {"ep2_tp2_sp": ({"ep": 2, "tp": 2, "sequence_parallel": True}, {}),
+               "packed_cp2": ({"cp": 2}, PACKED), "shared_pp2_ep1": ({"pp": 2}, SHARED)}
+    updates = {}
+    for name, (layout, batching) in layouts.items():
+        per_rank = run_on_ranks(worker_routing_replay, 2, hf_dir, layout, batch, 2, batching, timeout_s=240)
+        for key, want in (("replayed", want_replayed), ("own", want_own)):
+            got = _collect(per_rank, key, rows)["logp"]
+            torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=0, msg=lambda m: f"{name} {key}: {m}")
+        updates[name] = per_rank[-1]["metrics"]
+    want = updates["ep2_tp2_sp"]
+    for name, metrics in updates.items():
+        assert metrics["actor/pg_loss"] == pytest.approx(want["actor/pg_loss"], rel=1e-5), name
+    # Not the shared-prompt rows' grad norm: the load-balancing loss is over a micro-batch's tokens,
+    # among which those rows hold each prompt once (test_padding_does_not_reach_an_moe_update).
+    assert updates["packed_cp2"]["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-5)
