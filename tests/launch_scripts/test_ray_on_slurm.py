@@ -138,10 +138,10 @@ def test_a_node_whose_ray_cannot_start_fails_the_job_fast_and_is_named(slurm_clu
 def test_two_node_training_job_is_preempted_requeued_and_resumed(slurm_cluster, prompts, tmp_path):
     env = _env(slurm_cluster, MEGARL_VENV=str(VENV_BIN.parent))
     out, log = tmp_path / "run", tmp_path / "job.out"
-    # Steps take 0.2-1.5 s here: the signal must come while the run still has steps to do (it comes
-    # within ~1 s of the first checkpoint, watched closely), and every step after the requeue costs
-    # its time again: 20 steps leave a margin of 18.
-    steps = 20
+    # Steps take 0.2-1.5 s here (plus a checkpoint each): the signal must come while the run still
+    # has steps to do (it comes within ~1 s of the first checkpoint, watched closely), and every step
+    # after the requeue costs its time again: 10 steps leave a margin of 8.
+    steps = 10
     job = _submit(env, log, _train_args(prompts, out, **{"trainer.total_steps": steps, "trainer.save_every": 1}))
     seen: dict[str, set[str]] = {}
 

@@ -7,8 +7,6 @@
 - pools and resume, against one uninterrupted run with every role on a pool of its own: a
   colocated run gives its steps 1-2, is SIGKILLed (driver) after its step-2 checkpoint, and
   resumed gives its steps 3-4; no process of the killed run survives;
-- routing replay: in bf16 it brings an MoE model's train/rollout mismatch down to that of the same
-  model with no routing choice;
 - a reward model (on its own pool) scores every sample as HF's sequence classifier does;
 - PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
   a SIGTERM makes the driver finish its step, save a checkpoint and exit with status 143;
@@ -304,58 +302,6 @@ def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_
     for m in steps:
         assert abs(m["rollout_correction/weight_mean"] - 1) < 0.02 and m["rollout_correction/zeroed_fraction"] == 0, m
         assert m["actor/mismatch/abs_logp_diff"] < 0.02 and m["actor/mismatch/outside_bounds"] < 0.01, m
-
-
-def _touchy_router_moe(directory: Path, experts: int) -> str:
-    """tiny-qwen3-moe (top-2, with the run's tokenizer) whose routing flips on rounding and matters:
-    router weights x 0.001 (nearly tied logits), experts' down projections x 20 (the experts
-    dominate the residual stream). ``experts`` = 2 keeps the first two experts (and their router
-    rows) of the 4: every token then goes through both, the same computation with nothing to choose."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    from model_specs.presets import save_tiny_hf_model
-    from model_specs.tokenizer import save_char_tokenizer
-
-    path = Path(save_tiny_hf_model("tiny-qwen3-moe", directory, seed=1234, eos_token_id=1, pad_token_id=0))
-    weights = load_file(path / "model.safetensors")
-    for name in list(weights):
-        if name.endswith("mlp.gate.weight"):
-            weights[name] = weights[name][:experts] * 0.001
-        elif ".experts." in name and int(name.split(".experts.")[1].split(".")[0]) >= experts:
-            del weights[name]
-        elif name.endswith("down_proj.weight") and ".experts." in name:
-            weights[name] = weights[name] * 20
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    count = {key: experts for key in ("num_experts", "num_local_experts") if key in config}  # as transformers wrote it
-    (path / "config.json").write_text(json.dumps({**config, **count}, indent=1))
-    return save_char_tokenizer(path)
-
-
-def test_routing_replay_brings_a_bf16_moe_to_the_mismatch_of_a_model_without_routing_choices(prompts, tmp_path):
-    """In bf16 the engine's and the trainer's router logits differ by rounding, and a model whose
-    routing is touchy (``_touchy_router_moe``) routes some tokens to other experts in the trainer
-    than in the engine. At step 1 (no update yet), the train/rollout log-prob mismatch: without
-    routing replay well above that of the model's two-expert cut (top-2 of 2: the same computation
-    per token, with no routing choice, so only rounding); routing replay removes at least 3/4 of
-    that excess (measured: 92% at one rank, all of it at two, where replay was 1.7% below the cut)."""
-    settings = {"model.dtype": "bfloat16", "trainer.total_steps": 1, "trainer.save_every": 0,
-                "actor.kl_loss.enabled": "false", "cluster.cpu_ranks_per_node": 1}  # one rank, one engine
-    top2_of_4, top2_of_2 = _touchy_router_moe(tmp_path / "of4", 4), _touchy_router_moe(tmp_path / "of2", 2)
-    mismatch = {}
-    for name, model, replay in (("replay", top2_of_4, "true"), ("own routing", top2_of_4, "false"),
-                                ("no routing choice", top2_of_2, "false")):
-        out = tmp_path / name.replace(" ", "_")
-        code, output = _run(_overrides(prompts, out, **settings, **{"model.path": model, "actor.routing_replay": replay})
-                            + ["--no-export"])
-        assert code == 0, output[-3000:]
-        mismatch[name] = _metrics(out)[0]["actor/mismatch/abs_logp_diff"]
-    print("bf16 train/rollout mean |log-prob difference| at step 1:", mismatch)
-    routing_excess = mismatch["own routing"] - mismatch["no routing choice"]
-    assert routing_excess > 0.5 * mismatch["no routing choice"], mismatch
-    assert mismatch["replay"] - mismatch["no routing choice"] < 0.25 * routing_excess, mismatch
 
 
 def test_reward_model_on_its_own_pool_scores_like_hf(prompts, tmp_path):

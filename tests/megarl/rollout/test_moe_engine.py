@@ -2,7 +2,8 @@
 half the experts, through megarl's expert-parallel patch of SGLang's torch-native expert path), the
 experts it routes each token to, and megarl's weight sync into its fused experts. Oracles: HF
 transformers' greedy tokens, log-probs and router top-k, and SGLang's own loaders (checksums of
-every parameter of every rank)."""
+every parameter of every rank). In bf16, routing replay brings the trainer's log-probs of an engine's
+samples as close as a model with no routing choice gets."""
 
 from __future__ import annotations
 
@@ -104,3 +105,79 @@ def test_megatron_ep2_shards_synced_into_fused_experts_serve_the_new_model(engin
         engine.update_weights_direct([buffers[rank] for rank in range(TP)])
     assert engine.rank_parameter_checksums() == _checksums(sglang_all_rank_parameters(checkpoints[1], TP, EP))
     _assert_greedy_matches_hf(engine, checkpoints[1])
+
+
+def _touchy_router_moe(directory, experts: int) -> str:
+    """tiny-qwen3-moe (top-2) whose routing flips on rounding and matters: router weights x 0.001
+    (nearly tied logits), experts' down projections x 20 (the experts dominate the residual
+    stream). ``experts`` = 2 keeps the first two experts (and their router rows) of the 4: every
+    token then goes through both, the same computation with nothing to choose."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from model_specs.presets import save_tiny_hf_model
+
+    path = Path(save_tiny_hf_model(PRESET, directory, seed=3))
+    weights = load_file(path / "model.safetensors")
+    for name in list(weights):
+        if name.endswith("mlp.gate.weight"):
+            weights[name] = weights[name][:experts] * 0.001
+        elif ".experts." in name and int(name.split(".experts.")[1].split(".")[0]) >= experts:
+            del weights[name]
+        elif name.endswith("down_proj.weight") and ".experts." in name:
+            weights[name] = weights[name] * 20
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    count = {key: experts for key in ("num_experts", "num_local_experts") if key in config}  # as transformers wrote it
+    (path / "config.json").write_text(json.dumps({**config, **count}, indent=1))
+    return str(path)
+
+
+def _sampled_batch(model_dir: str, prompts: list[list[int]], with_routes: bool) -> tuple[dict, torch.Tensor]:
+    """A bf16 TP1 engine's samples of ``prompts`` (temperature 1, 8 tokens each) as a trainer batch,
+    with the engine's routes when ``with_routes``, and the engine's log-probs of them ``[B, 8]``."""
+    from megarl.trainer import _routes_of_samples
+
+    with SGLangEngine(model_dir, tp_size=1, dtype="bfloat16", random_seed=5, startup_timeout_s=240,
+                      enable_return_routed_experts=with_routes) as eng:
+        outs = eng.generate(prompts, {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True},
+                            return_logprob=True, return_routed_experts=with_routes)
+    assert _engine_leftovers(eng.pid) == []
+    width = max(len(p) for p in prompts) + 8
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        ids[i, : len(prompt) + 8] = torch.tensor(prompt + out["output_ids"])
+    batch = {"input_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts]),
+             "response_lengths": torch.full((len(prompts),), 8)}
+    if with_routes:
+        batch["routed_experts"] = _routes_of_samples([out["routed_experts"] for out in outs], width)
+    return batch, torch.tensor([out["output_logprobs"] for out in outs])
+
+
+@pytest.mark.timeout(400)
+def test_routing_replay_in_bf16_closes_the_mismatch_that_routing_adds(tmp_path):
+    """In bf16 an engine's and the trainer's router logits differ by rounding, and a model whose
+    routing is touchy (``_touchy_router_moe``) routes some tokens to other experts in the trainer
+    than in the engine. The trainer's mean |log-prob - engine log-prob| of the engine's samples:
+    with its own routing well above that of the model's two-expert cut (top-2 of 2: the same
+    computation per token with no routing choice, so rounding only); routing replay removes at
+    least 3/4 of that excess."""
+    from megarl.algorithms import rollout_mismatch_metrics
+    from parallel.spawn import run_on_ranks
+    from tests.megarl.workers.rank_fns import worker_replay_mismatch
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, PRESETS[PRESET]["vocab_size"], (int(n),), generator=gen).tolist()
+               for n in torch.randint(4, 9, (32,), generator=gen) for _ in range(4)]  # 32 prompts x 4 samples
+    of4, of2 = _touchy_router_moe(tmp_path / "of4", 4), _touchy_router_moe(tmp_path / "of2", 2)
+    (batch4, engine4), (batch2, engine2) = _sampled_batch(of4, prompts, True), _sampled_batch(of2, prompts, False)
+    [logp] = run_on_ranks(worker_replay_mismatch, 1, of4, of2, batch4, batch2, "bfloat16", timeout_s=240)
+    mask = torch.ones_like(engine4)
+    mismatch = {name: float(rollout_mismatch_metrics(value, engine2 if name == "no routing choice" else engine4,
+                                                     mask, 0.5, 2.0)["abs_logp_diff"]) for name, value in logp.items()}
+    print("bf16 trainer vs engine mean |log-prob difference|:", mismatch)
+    routing_excess = mismatch["own routing"] - mismatch["no routing choice"]
+    assert routing_excess > 0.5 * mismatch["no routing choice"], mismatch
+    assert mismatch["replay"] - mismatch["no routing choice"] < 0.25 * routing_excess, mismatch

@@ -62,6 +62,29 @@ def worker_routing_replay(hf_dir, layout_kwargs, batch, micro_batch_size, batchi
     return {"replayed": replayed, "own": own, "metrics": metrics}
 
 
+def worker_replay_mismatch(replay_dir, plain_dir, replay_batch, plain_batch, dtype):
+    """One rank's log-probs in ``dtype``: of ``replay_batch`` by ``replay_dir``'s MoE model with the
+    batch's ``routed_experts`` replayed and without them (its own routing); of ``plain_batch`` by
+    ``plain_dir``'s model."""
+    from megarl.workers.batch import MicroBatching
+    from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
+    from parallel.layout import MegatronLayout
+
+    def in_order(out):
+        return out["logp"][out["rows"].argsort()]
+
+    worker = MegatronWorker()
+    batching = MicroBatching(micro_batch_size=32)
+    worker.setup(ModelSpec("actor", replay_dir, MegatronLayout(), batching, dtype=dtype, routing_replay=True), seed=7)
+    worker.setup(ModelSpec("ref", plain_dir, MegatronLayout(), batching, dtype=dtype), seed=7)
+    logp = {"replay": in_order(worker.forward("actor", replay_batch)),
+            "own routing": in_order(worker.forward("actor", {k: v for k, v in replay_batch.items()
+                                                             if k != "routed_experts"})),
+            "no routing choice": in_order(worker.forward("ref", plain_batch))}
+    worker.shutdown()
+    return logp
+
+
 def worker_reward_values(rm_dir, layout_kwargs, batch, micro_batch_size, batching=None):
     """A MegatronWorker running a reward model at a layout: its per-response-token values of
     ``batch`` (the score of a sample is the value at its last token); ``batching`` as above."""
