@@ -9,6 +9,10 @@ the named (1-based) step.
 - ``checkpoint_enospc@k`` makes step k's checkpoint save fail with ENOSPC after the workers wrote
   their shards, as a full disk would: nothing of it may remain, the previous checkpoints must, and
   the run stops saying so (``Trainer.save_checkpoint``).
+- ``kill_reward_worker@k`` SIGKILLs the reward worker process scoring step k's first sample while
+  it scores it, as a crash of a user's reward function would: that sample scores 0 and counts in
+  ``reward/num_errors``, a new worker takes over and the run goes on (``RewardRunner``). Only for
+  rewards that run in worker processes (user functions, or ``reward.backend: process``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import os
 
 ENV_VAR = "MEGARL_FAULTS"
-KINDS = ("kill_engine", "checkpoint_enospc")
+KINDS = ("kill_engine", "checkpoint_enospc", "kill_reward_worker")
 
 
 def planned_faults(spec: str | None = None) -> set[tuple[str, int]]:

@@ -553,6 +553,9 @@ class Trainer:
             values = self.forward(batch, {"score": ("reward_model", "values")})["score"]
             last = (batch["response_lengths"] - 1).clamp(min=0)
             return values[torch.arange(len(last)), last].float(), {}
+        if self.faults.fire("kill_reward_worker", self.step + 1):
+            self.log(f"megarl: fault injection: a reward worker dies while scoring step {self.step + 1}")
+            self.rewards.crash_a_worker_in_the_next_batch()
         scores, stats = self.rewards(batch["data_source"], batch["responses"], batch["ground_truth"],
                                      batch["extra_info"])
         return scores.float(), stats

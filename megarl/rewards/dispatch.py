@@ -89,6 +89,7 @@ class _ProcessPool:
         self._startup_timeout_s = startup_timeout_s
         self._idle: list[tuple[Any, Any]] = []  # (process, connection)
         self.num_killed = 0
+        self.crash_next_call = False  # fault injection (megarl.faults): SIGKILL the next call's worker
 
     def _spawn(self):
         parent_sock, child_sock = socket.socketpair()
@@ -172,6 +173,9 @@ class _ProcessPool:
                         self._idle.append(worker)
                         continue
                     busy[worker[1]] = (worker, idx, time.monotonic())
+                    if self.crash_next_call:
+                        self.crash_next_call = False
+                        worker[0].kill()
                 if not busy:
                     continue
                 wait_s = None
@@ -296,6 +300,12 @@ class RewardRunner:
             self._check_sendable(resolved)
         self._pool: _ProcessPool | None = None
         self.num_abandoned_threads = 0
+        self._crash_next_call = False
+
+    def crash_a_worker_in_the_next_batch(self) -> None:
+        """Fault injection (``megarl.faults``, ``kill_reward_worker``): the next batch's first call
+        that runs in a worker process has its worker SIGKILLed while it runs."""
+        self._crash_next_call = True
 
     def _runs_in_process(self, resolved: _Resolved) -> bool:
         return self.backend == "process" or (self.backend == "auto" and not resolved.trusted)
@@ -365,6 +375,7 @@ class RewardRunner:
                 preload = sorted({f.ref for f in named if isinstance(f.ref, str)})
                 self._pool = _ProcessPool(self.num_workers, preload=preload)
             tasks = [(fns[i].ref, kwargs[i]) for i in groups["process"]]
+            self._pool.crash_next_call, self._crash_next_call = self._crash_next_call, False
             for i, out in zip(groups["process"], self._pool.run(tasks, self.timeout_s)):
                 outcomes[i] = out
         if groups["thread"]:
@@ -378,6 +389,9 @@ class RewardRunner:
                 outcomes[i] = ("ok", _worker.check_result(fns[i].fn(**kwargs[i])))
             except Exception as exc:  # noqa: BLE001
                 outcomes[i] = ("error", f"{type(exc).__name__}: {exc}")
+        if self._crash_next_call:
+            raise ValueError("fault injection kill_reward_worker: no reward of this batch runs in a worker process; "
+                             "inject it into a run whose reward runs in processes (reward.backend: process)")
         scores, stats = self._summarise(outcomes, fns, data_sources)
         return torch.tensor(scores, dtype=torch.float32), stats
 
