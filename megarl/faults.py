@@ -9,6 +9,10 @@ the named (1-based) step.
 - ``checkpoint_enospc@k`` makes step k's checkpoint save fail with ENOSPC after the workers wrote
   their shards, as a full disk would: nothing of it may remain, the previous checkpoints must, and
   the run stops saying so (``Trainer.save_checkpoint``).
+- ``kill_driver_during_save@k`` SIGKILLs the driver during step k's checkpoint save, after the
+  workers wrote their shards: the checkpoint stays a hidden partial directory; the next run
+  resumes from the newest complete checkpoint, drops the killed run's metrics of later steps and
+  replaces the partial directory at its own save of step k (``Trainer.save_checkpoint``).
 - ``kill_reward_worker@k`` SIGKILLs the reward worker process scoring step k's first sample while
   it scores it, as a crash of a user's reward function would: that sample scores 0 and counts in
   ``reward/num_errors``, a new worker takes over and the run goes on (``RewardRunner``). Only for
@@ -20,7 +24,7 @@ from __future__ import annotations
 import os
 
 ENV_VAR = "MEGARL_FAULTS"
-KINDS = ("kill_engine", "checkpoint_enospc", "kill_reward_worker")
+KINDS = ("kill_engine", "checkpoint_enospc", "kill_driver_during_save", "kill_reward_worker")
 
 
 def planned_faults(spec: str | None = None) -> set[tuple[str, int]]:

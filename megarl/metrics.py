@@ -19,16 +19,27 @@ CONSOLE_KEYS = (("reward/mean", "reward"), ("actor/nll", "nll"), ("response_leng
 
 
 class MetricsLogger:
-    """Writes every step's metrics to ``run_dir/metrics.jsonl`` (appending: a resumed run adds
-    to it) and to the configured loggers ("console", "tensorboard"). ``headline``: (metric, short
-    name) whose running mean the console line ends with."""
+    """Writes every step's metrics to ``run_dir/metrics.jsonl`` and to the configured loggers
+    ("console", "tensorboard"). A run that starts at ``first_step`` (a resumed run: the step of
+    its checkpoint) continues the file from there: lines of later steps, logged by a run killed
+    before it could save them, are dropped, so that every step is in the file once.
+    ``headline``: (metric, short name) whose running mean the console line ends with."""
 
     def __init__(self, run_dir: str | Path, loggers: list[str], total_steps: int, window: int = 5,
-                 headline: tuple[str, str] = ("reward/mean", "reward")):
+                 headline: tuple[str, str] = ("reward/mean", "reward"), first_step: int = 0):
         self.run_dir = Path(run_dir)
         self.headline = headline
         self.total_steps = total_steps
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        path = self.run_dir / "metrics.jsonl"
+        if path.is_file():
+            lines = path.read_text().splitlines()
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= first_step]
+            if len(kept) != len(lines):
+                from parallel.checkpoint.atomic import atomic_file
+
+                with atomic_file(path) as partial:
+                    partial.write_text("".join(line + "\n" for line in kept))
+        self.jsonl = open(path, "a")
         self.console = "console" in loggers
         self.recent = deque(maxlen=window)
         self.started = time.monotonic()

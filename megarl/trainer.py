@@ -658,7 +658,7 @@ class Trainer:
         self._maybe_resume()
         history = []
         logger = MetricsLogger(self.out, cfg.trainer.loggers, total_steps=cfg.trainer.total_steps,
-                               headline=self.HEADLINE)
+                               headline=self.HEADLINE, first_step=self.step)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             while self.step < cfg.trainer.total_steps:
@@ -733,6 +733,8 @@ class Trainer:
         try:
             with atomic_directory(target, partial=partial_dir(target)) as partial:
                 self._call_workers("save_checkpoint", str(partial))
+                if self.faults.fire("kill_driver_during_save", self.step):
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if self.faults.fire("checkpoint_enospc", self.step):
                     raise OSError(errno.ENOSPC, "No space left on device (injected: MEGARL_FAULTS)", str(partial))
                 state = {"step": self.step, "fingerprint": config_fingerprint(self.cfg), **self.run_state()}
@@ -762,8 +764,8 @@ class Trainer:
 
     def resume_checkpoint(self) -> Path | None:
         """The checkpoint ``trainer.resume`` names, checked against its manifest: with ``auto`` the
-        newest intact one (each newer one skipped is logged with what is wrong with it); RunError
-        if the named one, or every one found, is damaged."""
+        newest intact one (each newer one skipped is logged with what is wrong with it, and moved
+        aside to ``.step_<k>.damaged``); RunError if the named one, or every one found, is damaged."""
         from parallel.checkpoint.manifest import manifest_problem
 
         resume = self.cfg.trainer.resume
@@ -777,12 +779,18 @@ class Trainer:
                 raise RunError(f"trainer.resume={resume}: not an intact megarl checkpoint: {problem}; pick one of "
                                f"{[str(p) for p in found]} or set trainer.resume=none")
             return Path(resume)
-        problems = []
+        problems, damaged = [], []
         for path in reversed(found):
             problem = manifest_problem(path)
             if problem is None:
+                for bad in damaged:  # aside, so that this run's save of that step can take its place
+                    aside = bad.with_name(f".{bad.name}.damaged")
+                    shutil.rmtree(aside, ignore_errors=True)
+                    bad.rename(aside)
+                    self.log(f"megarl: moved the damaged checkpoint {bad} to {aside}")
                 return path
             problems.append(f"{path.name}: {problem}")
+            damaged.append(path)
             self.log(f"megarl: skipping checkpoint {path}: {problem}")
         if problems:
             raise RunError(f"no intact checkpoint in {self.out / CHECKPOINT_DIR} to resume from ({'; '.join(problems)}); "

@@ -5,8 +5,9 @@
   equal the actor's recomputation; the control lays out a row per sample and its first step
   equals the GRPO run's shared-prompt rows;
 - pools and resume, against one uninterrupted run with every role on a pool of its own: a
-  colocated run gives its steps 1-2, is SIGKILLed (driver) after its step-2 checkpoint, and
-  resumed gives its steps 3-4; no process of the killed run survives;
+  colocated run gives its steps 1-2, is SIGKILLed (driver) in the middle of its step-3
+  checkpoint, and resumed from step 2 gives its steps 3-4 (each step logged once, the partial
+  checkpoint replaced); no process of the killed run survives;
 - a reward model (on its own pool) scores every sample as HF's sequence classifier does;
 - PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
   a reward worker killed while it scores costs one sample's score and nothing else; a SIGTERM
@@ -143,21 +144,21 @@ def separate_pools(prompts, tmp_path_factory):
     return {m["step"]: m for m in _metrics(out)}
 
 
+KILLED = {**FOUR_STEPS, "trainer.save_every": 1}
+
+
 @pytest.fixture(scope="module")
 def killed_and_resumed(prompts, tmp_path_factory):
-    """A colocated run (2 ranks, two engines of TP=1) whose driver is SIGKILLed after its step-2
-    checkpoint, then run again: (step -> metrics of both parts, the second part's output, the
-    processes of the killed run still alive after it)."""
+    """A colocated run (2 ranks, two engines of TP=1, a checkpoint every step) whose driver is
+    SIGKILLed in the middle of its step-3 checkpoint (MEGARL_FAULTS, after the workers wrote their
+    shards), then run again: (step -> metrics of both parts, the second part's output, the
+    processes of the killed run still alive after it, the run's directory)."""
     out = tmp_path_factory.mktemp("killed")
-    proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **FOUR_STEPS) + ["--no-export"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **KILLED) + ["--no-export"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "MEGARL_FAULTS": "kill_driver_during_save@3"})
     try:
-        deadline = time.monotonic() + 600
-        while not (out / "checkpoints" / "step_000002" / "trainer_state.json").is_file():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step-2 checkpoint"
-            time.sleep(0.2)
-        os.kill(proc.pid, signal.SIGKILL)  # the driver only: its workers and engines must not outlive it
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=600) == -signal.SIGKILL
         deadline = time.monotonic() + 60
         while _session_members(proc.pid) and time.monotonic() < deadline:
             time.sleep(1)
@@ -167,11 +168,17 @@ def killed_and_resumed(prompts, tmp_path_factory):
                      if p.name() not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")]
     finally:
         _kill_session(proc.pid)
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step_000003.partial", "step_000001", "step_000002"]
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3]  # step 3 was logged before its save began
     # The resumed run also meets a dead engine: MEGARL_FAULTS SIGKILLs engine 0 before step 3's generation.
-    code, output = _run(_overrides(prompts, out, **FOUR_STEPS) + ["--no-export"],
+    code, output = _run(_overrides(prompts, out, **KILLED) + ["--no-export"],
                         env={**os.environ, "MEGARL_FAULTS": "kill_engine@3"})
     assert code == 0, output[-3000:]
-    return {m["step"]: m for m in _metrics(out)}, output, survivors, out
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000003", "step_000004"]  # keep_last 2
+    steps = _metrics(out)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]  # every step logged once
+    return {m["step"]: m for m in steps}, output, survivors, out
 
 
 def _assert_same_steps(run: dict, oracle: dict, steps, keys=COMPARED) -> None:
@@ -219,7 +226,8 @@ def shifted(**kw):
 
 def test_auto_resume_skips_a_corrupted_newest_checkpoint(separate_pools, killed_and_resumed, prompts):
     """One byte of the newest checkpoint (step 4) flipped: ``resume: auto`` finds it against the
-    checksums recorded at save, says so, resumes from step 2 instead and repeats steps 3-4 exactly."""
+    checksums recorded at save, says so, moves it aside, resumes from step 3 instead, repeats step 4
+    exactly and saves it anew."""
     out = killed_and_resumed[3]
     newest = out / "checkpoints" / "step_000004"
     victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
@@ -229,10 +237,14 @@ def test_auto_resume_skips_a_corrupted_newest_checkpoint(separate_pools, killed_
     code, output = _run(_overrides(prompts, out, **{**FOUR_STEPS, "trainer.total_steps": 5}) + ["--no-export"])
     assert code == 0, output[-3000:]
     assert f"skipping checkpoint {newest}: {victim.relative_to(newest)} does not match its checksum" in output, output
-    assert "resumed from" in output and "(step 2)" in output, output[-3000:]
-    again = {m["step"]: m for m in _metrics(out)[-3:]}
-    assert sorted(again) == [3, 4, 5]
-    _assert_same_steps(again, separate_pools, (3, 4))
+    assert "resumed from" in output and "(step 3)" in output, output[-3000:]
+    # The damaged checkpoint was moved aside, and the re-run step 4 saved an intact one in its place.
+    from parallel.checkpoint.manifest import manifest_problem
+
+    assert (out / "checkpoints" / ".step_000004.damaged").is_dir() and manifest_problem(newest) is None
+    steps = _metrics(out)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+    _assert_same_steps({m["step"]: m for m in steps}, separate_pools, (4,))
 
 
 def test_one_step_off_trains_on_batches_one_version_old_while_generating_the_next(separate_pools, prompts,
