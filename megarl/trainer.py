@@ -467,7 +467,9 @@ class Trainer:
             if masks is not None:
                 loss_mask[i, : len(resp)] = torch.tensor(masks[i], dtype=torch.float32)
         if self.cfg.actor.routing_replay:
-            extra["routed_experts"] = _routes_of_samples([out["routed_experts"] for out in outputs], ids.shape[1])
+            from megarl.workers.batch import routed_experts
+
+            extra["routed_experts"] = routed_experts([out["routed_experts"] for out in outputs], ids.shape[1])
         repeat = lambda values: [v for v in values for _ in range(n)]  # noqa: E731
         batch = {
             "input_ids": ids,
@@ -920,18 +922,6 @@ class _Timer:
                 timer.timeline.span(phase, "controller", self.start, end, timer.step)
 
         return _Phase()
-
-
-def _routes_of_samples(routes: list[torch.Tensor], width: int) -> torch.Tensor:
-    """The batch's ``routed_experts`` ``[samples, width, layers, top-k]`` (int16) from each sample's
-    engine routes ``[positions, layers, top-k]`` (prompt and response but the last token): the
-    positions the engine did not route (the last token, padding) get experts ``0 .. top-k - 1``,
-    which no log-prob reads."""
-    layers, topk = routes[0].shape[1:]
-    batch = torch.arange(topk, dtype=torch.int16).expand(len(routes), width, layers, topk).clone()
-    for i, sample in enumerate(routes):
-        batch[i, : min(len(sample), width)] = sample[:width].to(torch.int16)
-    return batch
 
 
 def _recomputes_old_logp(t: Trainer) -> bool:

@@ -72,14 +72,27 @@ def _following(batch: dict, row: int, start: int, count: int) -> torch.Tensor:
     return batch["input_ids"][row, start + 1: start + 1 + count]
 
 
+def unrouted(rows: int, length: int, layers: int, topk: int, dtype=torch.int16) -> torch.Tensor:
+    """Routes ``[rows, length, layers, top-k]`` of positions no engine routed (padding, a sample's
+    last token): experts ``0 .. top-k - 1``, distinct as a router's top-k are; no output read."""
+    return torch.arange(topk, dtype=dtype).expand(rows, length, layers, topk).clone()
+
+
+def routed_experts(per_sample: list[torch.Tensor], width: int) -> torch.Tensor:
+    """A batch's ``routed_experts`` ``[samples, width, layers, top-k]`` (int16) from each sample's
+    engine routes ``[positions, layers, top-k]`` (its prompt and response but the last token)."""
+    layers, topk = per_sample[0].shape[1:]
+    routes = unrouted(len(per_sample), width, layers, topk)
+    for i, sample in enumerate(per_sample):
+        routes[i, : min(len(sample), width)] = sample[:width].to(routes.dtype)
+    return routes
+
+
 def _padding_routes(batch: dict, num_rows: int, length: int) -> torch.Tensor | None:
-    """A micro-batch's ``routes`` before its samples are placed: every position routed to experts
-    ``0 .. top-k - 1`` (distinct, as a router's top-k are); None when ``batch`` has no routes."""
+    """A micro-batch's ``routes`` before its samples are placed; None when ``batch`` has none."""
     if "routed_experts" not in batch:
         return None
-    routed = batch["routed_experts"]
-    layers, topk = routed.shape[2:]
-    return torch.arange(topk, dtype=routed.dtype).expand(num_rows, length, layers, topk).clone()
+    return unrouted(num_rows, length, *batch["routed_experts"].shape[2:], dtype=batch["routed_experts"].dtype)
 
 
 def _with_routes(micro_batch: dict, routes: torch.Tensor | None) -> dict:

@@ -62,8 +62,9 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[tuple[list[int]
     return results
 
 
-def _engine_leftovers(pgid: int) -> list[psutil.Process]:
-    """Live processes of the engine's process group, plus live descendants of this process."""
+def _engine_leftovers(pgid: int, descendants: bool = True) -> list[psutil.Process]:
+    """Live processes of the engine's process group, plus (``descendants``) live descendants of
+    this process: False where another engine of the test module still runs."""
     in_group = []
     for p in psutil.process_iter():
         try:
@@ -71,7 +72,7 @@ def _engine_leftovers(pgid: int) -> list[psutil.Process]:
                 in_group.append(p)
         except (OSError, psutil.Error):
             pass
-    return live(in_group) + live_descendants()
+    return live(in_group) + (live_descendants() if descendants else [])
 
 
 # --------------------------------------------------------------------------- stubs

@@ -138,13 +138,13 @@ def _touchy_router_moe(directory, experts: int) -> str:
 def _sampled_batch(model_dir: str, prompts: list[list[int]], with_routes: bool) -> tuple[dict, torch.Tensor]:
     """A bf16 TP1 engine's samples of ``prompts`` (temperature 1, 8 tokens each) as a trainer batch,
     with the engine's routes when ``with_routes``, and the engine's log-probs of them ``[B, 8]``."""
-    from megarl.trainer import _routes_of_samples
+    from megarl.workers.batch import routed_experts
 
     with SGLangEngine(model_dir, tp_size=1, dtype="bfloat16", random_seed=5, startup_timeout_s=240,
                       enable_return_routed_experts=with_routes) as eng:
         outs = eng.generate(prompts, {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True},
                             return_logprob=True, return_routed_experts=with_routes)
-    assert _engine_leftovers(eng.pid) == []
+    assert _engine_leftovers(eng.pid, descendants=False) == []  # the module's TP2 x EP2 engine still runs
     width = max(len(p) for p in prompts) + 8
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
@@ -152,7 +152,7 @@ def _sampled_batch(model_dir: str, prompts: list[list[int]], with_routes: bool) 
     batch = {"input_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts]),
              "response_lengths": torch.full((len(prompts),), 8)}
     if with_routes:
-        batch["routed_experts"] = _routes_of_samples([out["routed_experts"] for out in outs], width)
+        batch["routed_experts"] = routed_experts([out["routed_experts"] for out in outs], width)
     return batch, torch.tensor([out["output_logprobs"] for out in outs])
 
 
