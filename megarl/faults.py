@@ -13,10 +13,10 @@ the named (1-based) step.
   workers wrote their shards: the checkpoint stays a hidden partial directory; the next run
   resumes from the newest complete checkpoint, drops the killed run's metrics of later steps and
   replaces the partial directory at its own save of step k (``Trainer.save_checkpoint``).
-- ``kill_reward_worker@k`` SIGKILLs the reward worker process scoring step k's first sample while
-  it scores it, as a crash of a user's reward function would: that sample scores 0 and counts in
-  ``reward/num_errors``, a new worker takes over and the run goes on (``RewardRunner``). Only for
-  rewards that run in worker processes (user functions, or ``reward.backend: process``).
+- ``kill_reward_worker@k`` SIGKILLs the reward worker process about to score step k's first
+  sample, as a crash would: that sample scores 0 and counts in ``reward/num_errors``, a new worker
+  takes over and the run goes on (``RewardRunner``). Only for rewards that run in worker
+  processes (user functions, or ``reward.backend: process``).
 """
 
 from __future__ import annotations

@@ -556,7 +556,7 @@ class Trainer:
             last = (batch["response_lengths"] - 1).clamp(min=0)
             return values[torch.arange(len(last)), last].float(), {}
         if self.faults.fire("kill_reward_worker", self.step + 1):
-            self.log(f"megarl: fault injection: a reward worker dies while scoring step {self.step + 1}")
+            self.log(f"megarl: fault injection: a reward worker dies as it is to score step {self.step + 1}")
             self.rewards.crash_a_worker_in_the_next_batch()
         scores, stats = self.rewards(batch["data_source"], batch["responses"], batch["ground_truth"],
                                      batch["extra_info"])

@@ -89,7 +89,7 @@ class _ProcessPool:
         self._startup_timeout_s = startup_timeout_s
         self._idle: list[tuple[Any, Any]] = []  # (process, connection)
         self.num_killed = 0
-        self.crash_next_call = False  # fault injection (megarl.faults): SIGKILL the next call's worker
+        self.crash_next_call = False  # fault injection (megarl.faults): SIGKILL the worker of the next call
 
     def _spawn(self):
         parent_sock, child_sock = socket.socketpair()
@@ -162,6 +162,10 @@ class _ProcessPool:
                 while todo and self._idle and len(busy) < width:
                     worker = self._idle.pop()
                     idx = todo.popleft()
+                    if self.crash_next_call:  # dead before the call reaches it, whatever the timing
+                        self.crash_next_call = False
+                        worker[0].kill()
+                        worker[0].wait()
                     try:
                         worker[1].send((idx, *tasks[idx]))
                     except (BrokenPipeError, ConnectionError, EOFError):
@@ -173,9 +177,6 @@ class _ProcessPool:
                         self._idle.append(worker)
                         continue
                     busy[worker[1]] = (worker, idx, time.monotonic())
-                    if self.crash_next_call:
-                        self.crash_next_call = False
-                        worker[0].kill()
                 if not busy:
                     continue
                 wait_s = None
@@ -303,8 +304,8 @@ class RewardRunner:
         self._crash_next_call = False
 
     def crash_a_worker_in_the_next_batch(self) -> None:
-        """Fault injection (``megarl.faults``, ``kill_reward_worker``): the next batch's first call
-        that runs in a worker process has its worker SIGKILLed while it runs."""
+        """Fault injection (``megarl.faults``, ``kill_reward_worker``): the worker process that is
+        to run the next batch's first process call is SIGKILLed just before the call."""
         self._crash_next_call = True
 
     def _runs_in_process(self, resolved: _Resolved) -> bool:

@@ -10,7 +10,7 @@
   checkpoint replaced); no process of the killed run survives;
 - a reward model (on its own pool) scores every sample as HF's sequence classifier does;
 - PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
-  a reward worker killed while it scores costs one sample's score and nothing else; a SIGTERM
+  a reward worker killed as it is to score costs one sample's score and nothing else; a SIGTERM
   makes the driver finish its step, save a checkpoint and exit with status 143;
 - a broken config or a missing dataset fails before Ray starts, with one clear message.
 """
@@ -288,7 +288,7 @@ def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_
                 "algorithm.kl_penalty.enabled": "true", "ref.enabled": "true", "critic.enabled": "true",
                 "critic.optim.lr": 5e-4, "reward.functions": f"{{synthetic_arith: {reward_file}:shifted}}",
                 "algorithm.rollout_correction.method": "tis"}
-    # The user's reward runs in a worker process; MEGARL_FAULTS kills it while it scores step 3.
+    # The user's reward runs in worker processes; MEGARL_FAULTS kills the one about to score step 3.
     proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **settings) + ["--no-export"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "MEGARL_FAULTS": "kill_reward_worker@3"})
@@ -320,7 +320,7 @@ def test_ppo_critic_value_loss_falls_and_sigterm_saves_before_exit(prompts, tmp_
     # scored everything else, and every step ran once.
     assert [m["reward/num_errors"] for m in steps] == [1.0 if m["step"] == 3 else 0.0 for m in steps], steps
     assert [m["step"] for m in steps] == list(range(1, last + 1))
-    assert "reward worker process died (exit code -9)" in output, output[-3000:]
+    assert "reward worker process died before the call" in output, output[-3000:]
     # Truncated IS on the recomputed pre-update log-probs: the engine samples what the trainer
     # computes (same weights at each step's start), so the weights stay ~1 and the gap small.
     for m in steps:
