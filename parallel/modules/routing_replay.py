@@ -16,14 +16,18 @@ the CP rank's share, as it does the tokens).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
-def chunk_routers(model) -> list:
-    """The top-k routers of a model chunk (a GPTModel) in layer order."""
+@functools.cache
+def chunk_routers(model) -> tuple:
+    """The top-k routers of a model chunk (a GPTModel) in layer order; found once per chunk, not
+    at every micro-batch (a walk over every module: tens of thousands in a 128-expert model)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+    return tuple(m for m in model.modules() if isinstance(m, TopKRouter))
 
 
 def replay_routes(model, routes: torch.Tensor | None) -> None:
