@@ -13,6 +13,10 @@ the named (1-based) step.
   workers wrote their shards: the checkpoint stays a hidden partial directory; the next run
   resumes from the newest complete checkpoint, drops the killed run's metrics of later steps and
   replaces the partial directory at its own save of step k (``Trainer.save_checkpoint``).
+- ``kill_megatron_worker@k`` SIGKILLs the actor's last Megatron rank as step k's update begins
+  (the kill is queued on the worker ahead of its update call), while the other ranks start the
+  update and wait for it in a collective: the run must stop at once naming the rank and the phase,
+  with the last complete checkpoint intact and named (``Trainer.update``, ``gather``).
 - ``kill_reward_worker@k`` SIGKILLs the reward worker process about to score step k's first
   sample, as a crash would: that sample scores 0 and counts in ``reward/num_errors``, a new worker
   takes over and the run goes on (``RewardRunner``). Only for rewards that run in worker
@@ -24,7 +28,8 @@ from __future__ import annotations
 import os
 
 ENV_VAR = "MEGARL_FAULTS"
-KINDS = ("kill_engine", "checkpoint_enospc", "kill_driver_during_save", "kill_reward_worker")
+KINDS = ("kill_engine", "checkpoint_enospc", "kill_driver_during_save", "kill_reward_worker",
+         "kill_megatron_worker")
 
 
 def planned_faults(spec: str | None = None) -> set[tuple[str, int]]:

@@ -615,6 +615,12 @@ class Trainer:
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
         rows = len(batch["uid"])
         calls = []  # each update call's replies, one per rank (rank 0's: the mini-batch's metrics)
+        if self.faults.fire("kill_megatron_worker", self.step + 1):
+            victim = len(self.role_workers["actor"]) - 1
+            self.log(f"megarl: fault injection: Megatron rank {victim} of the actor dies as step {self.step + 1}'s "
+                     "update begins")
+            # queued ahead of its update call: the other ranks start the update and wait for it
+            self.role_workers["actor"][victim].__ray_call__.remote(lambda worker: os.kill(os.getpid(), signal.SIGKILL))
         roles = [("actor", self.cfg.actor)] + ([("critic", self.cfg.critic)] if self.cfg.critic.enabled else [])
         for role, section in roles:
             size = (section.mini_batch_size or self.cfg.data.batch_size) * self.cfg.rollout.n
@@ -844,22 +850,25 @@ def gather(refs: list, who: list[str], phase: str, timeout_s: float, then: Calla
     """The results of Ray ``refs`` (one per worker named in ``who``) within ``timeout_s``. A worker
     that died, or that does not answer in time (a hang, e.g. a collective waiting for a dead rank),
     raises RunError naming it and the phase, followed by ``then()`` (what to do, asked only then):
-    never a silent hang."""
+    never a silent hang. Results are taken as they come, so the first death or error stops the
+    phase at once, while the other ranks may still wait for the dead one in a collective."""
     import ray
 
-    _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if late:
-        names = [name for name, ref in zip(who, refs) if ref in late]
-        raise RunError(f"{phase}: {', '.join(names)} did not finish within trainer.phase_timeout_s={timeout_s:g} s "
-                       f"({len(refs) - len(late)} of {len(refs)} did): a hang, e.g. a collective waiting for a dead "
-                       f"or stuck rank. {then()}".strip())
-    results = []
-    for name, ref in zip(who, refs):
+    deadline = time.monotonic() + timeout_s
+    names = dict(zip(refs, who))
+    results, pending = {}, list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise RunError(f"{phase}: {', '.join(names[ref] for ref in pending)} did not finish within "
+                           f"trainer.phase_timeout_s={timeout_s:g} s ({len(refs) - len(pending)} of {len(refs)} "
+                           f"did): a hang, e.g. a collective waiting for a dead or stuck rank. {then()}".strip())
         try:
-            results.append(ray.get(ref))
+            results[done[0]] = ray.get(done[0])
         except ray.exceptions.RayActorError as exc:
-            raise RunError(f"{phase}: {name} died ({str(exc).strip().splitlines()[0]}). {then()}".strip()) from exc
-    return results
+            raise RunError(f"{phase}: {names[done[0]]} died ({str(exc).strip().splitlines()[0]}). "
+                           f"{then()}".strip()) from exc
+    return [results[ref] for ref in refs]
 
 
 def _ready_placement_group(bundles: list[dict]):

@@ -6,8 +6,10 @@
   equals the GRPO run's shared-prompt rows;
 - pools and resume, against one uninterrupted run with every role on a pool of its own: a
   colocated run gives its steps 1-2, is SIGKILLed (driver) in the middle of its step-3
-  checkpoint, and resumed from step 2 gives its steps 3-4 (each step logged once, the partial
-  checkpoint replaced); no process of the killed run survives;
+  checkpoint, and resumed from step 2 gives its step 3 (an engine killed and restarted in it);
+  a Megatron worker killed in step 4's update stops the run at once, naming it, and the same
+  command gives step 4 (each step logged once, the partial checkpoint replaced); no process of
+  the killed or stopped run survives;
 - a reward model (on its own pool) scores every sample as HF's sequence classifier does;
 - PPO with a critic (on a pool of its own): the value loss falls as the critic learns the returns;
   a reward worker killed as it is to score costs one sample's score and nothing else; a SIGTERM
@@ -21,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import psutil
@@ -42,15 +45,27 @@ def _overrides(prompts, out, **extra):
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def _run(args, timeout_s=600, **popen):
-    """Run `megarl train` in its own session; whatever it leaves behind is killed with it."""
+def _run(args, timeout_s=600, survivors: list | None = None, **popen):
+    """Run `megarl train` in its own session; whatever it leaves behind is killed with it (and,
+    given a ``survivors`` list, named there first)."""
     proc = subprocess.Popen(MEGARL + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **popen)
     try:
         output, _ = proc.communicate(timeout=timeout_s)
+        if survivors is not None:
+            survivors.extend(_survivors(proc.pid))
     finally:
         _kill_session(proc.pid)
     return proc.returncode, output
+
+
+def _survivors(sid: int, grace_s: float = 60, ignore=()) -> list[str]:
+    """The processes of session ``sid`` still alive ``grace_s`` after its leader ended (sooner if
+    none), but those named in ``ignore``."""
+    deadline = time.monotonic() + grace_s
+    while _session_members(sid) and time.monotonic() < deadline:
+        time.sleep(1)
+    return [f"{p.name()} ({' '.join(p.cmdline())[:120]})" for p in _session_members(sid) if p.name() not in ignore]
 
 
 def _kill_session(sid: int) -> None:
@@ -151,34 +166,42 @@ KILLED = {**FOUR_STEPS, "trainer.save_every": 1}
 def killed_and_resumed(prompts, tmp_path_factory):
     """A colocated run (2 ranks, two engines of TP=1, a checkpoint every step) whose driver is
     SIGKILLed in the middle of its step-3 checkpoint (MEGARL_FAULTS, after the workers wrote their
-    shards), then run again: (step -> metrics of both parts, the second part's output, the
-    processes of the killed run still alive after it, the run's directory)."""
+    shards), run again until a Megatron worker dies in step 4's update, and run a third time to
+    the end: its steps, outputs and leftovers, as a namespace (fields below)."""
     out = tmp_path_factory.mktemp("killed")
     proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **KILLED) + ["--no-export"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "MEGARL_FAULTS": "kill_driver_during_save@3"})
     try:
         assert proc.wait(timeout=600) == -signal.SIGKILL
-        deadline = time.monotonic() + 60
-        while _session_members(proc.pid) and time.monotonic() < deadline:
-            time.sleep(1)
         # Ray's own per-node agents outlive a SIGKILLed driver that started Ray (they are killed with
         # the session below); the run's workers, engines and reward processes must all be gone.
-        survivors = [f"{p.name()} ({' '.join(p.cmdline())[:120]})" for p in _session_members(proc.pid)
-                     if p.name() not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")]
+        survivors = _survivors(proc.pid, ignore=("ray::DashboardAgent", "ray::RuntimeEnvAgent"))
     finally:
         _kill_session(proc.pid)
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [".step_000003.partial", "step_000001", "step_000002"]
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3]  # step 3 was logged before its save began
-    # The resumed run also meets a dead engine: MEGARL_FAULTS SIGKILLs engine 0 before step 3's generation.
-    code, output = _run(_overrides(prompts, out, **KILLED) + ["--no-export"],
-                        env={**os.environ, "MEGARL_FAULTS": "kill_engine@3"})
-    assert code == 0, output[-3000:]
+    # The resumed run meets a dead engine (MEGARL_FAULTS SIGKILLs engine 0 before step 3's
+    # generation) and then a dead Megatron worker (the actor's rank 1, as step 4's update begins).
+    stopped_survivors = []
+    stopped_code, output = _run(_overrides(prompts, out, **KILLED) + ["--no-export"], survivors=stopped_survivors,
+                                env={**os.environ, "MEGARL_FAULTS": "kill_engine@3,kill_megatron_worker@4"})
+    stopped_checkpoints = sorted(p.name for p in checkpoints.iterdir())
+    stopped_steps = [m["step"] for m in _metrics(out)]
+    code, finished = _run(_overrides(prompts, out, **KILLED) + ["--no-export"])
+    assert code == 0, finished[-3000:]
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000003", "step_000004"]  # keep_last 2
     steps = _metrics(out)
     assert [m["step"] for m in steps] == [1, 2, 3, 4]  # every step logged once
-    return {m["step"]: m for m in steps}, output, survivors, out
+    return types.SimpleNamespace(
+        steps={m["step"]: m for m in steps},  # step -> metrics, of all three runs
+        output=output,  # the second run's: resumed, engine restarted, stopped by the dead worker
+        survivors=survivors,  # of the first run, SIGKILLed
+        stopped_code=stopped_code, stopped_survivors=stopped_survivors,
+        stopped_checkpoints=stopped_checkpoints, stopped_steps=stopped_steps,
+        finished=finished,  # the third run's output
+        out=out)
 
 
 def _assert_same_steps(run: dict, oracle: dict, steps, keys=COMPARED) -> None:
@@ -188,31 +211,52 @@ def _assert_same_steps(run: dict, oracle: dict, steps, keys=COMPARED) -> None:
 
 
 def test_resume_after_sigkill_matches_an_uninterrupted_run(separate_pools, killed_and_resumed):
-    steps, output, survivors, _ = killed_and_resumed
-    assert "resumed from" in output
-    _assert_same_steps(steps, separate_pools, (3, 4))
-    assert survivors == [], f"processes of the killed run still alive: {survivors}"
+    run = killed_and_resumed
+    assert "resumed from" in run.output and "(step 2)" in run.output, run.output[-3000:]
+    _assert_same_steps(run.steps, separate_pools, (3, 4))
+    assert run.survivors == [], f"processes of the killed run still alive: {run.survivors}"
+
+
+def test_a_megatron_worker_killed_in_the_update_stops_the_run_naming_it(separate_pools, killed_and_resumed):
+    """The actor's rank 1 died as step 4's update began, while rank 0 ran the update and waited
+    for it in the gradients' all-reduce: the run stopped at once (not at the phase deadline),
+    exit 2, naming the rank, the phase and the checkpoint to resume from, left no process, kept
+    its checkpoints, and had not logged step 4. The same command resumed from step 3 and its
+    step 4 equals the uninterrupted run's."""
+    run = killed_and_resumed
+    assert run.stopped_code == 2, run.output[-3000:]
+    assert "fault injection: Megatron rank 1 of the actor dies as step 4's update begins" in run.output
+    checkpoint = run.out / "checkpoints" / "step_000003"
+    assert ("megarl train: update (actor): Megatron rank 1 of pool 'global' died (" in run.output
+            and f"The newest complete checkpoint is {checkpoint}: run the same command to resume from it"
+            in run.output), run.output[-3000:]
+    assert run.stopped_survivors == [], f"processes of the stopped run still alive: {run.stopped_survivors}"
+    assert run.stopped_checkpoints == ["step_000002", "step_000003"] and run.stopped_steps == [1, 2, 3]
+    assert "resumed from" in run.finished and "(step 3)" in run.finished, run.finished[-3000:]
+    _assert_same_steps(run.steps, separate_pools, (4,))
 
 
 def test_a_killed_engine_is_restarted_resynced_and_retried(killed_and_resumed):
     """In the resumed run, engine 0's processes were SIGKILLed before step 3's generation: the run
     restarted it, resynced the trained weights into it (checksum-verified) and retried its requests
     with the same seed, which is why its steps 3-4 equal the uninterrupted run's (test above)."""
-    steps, output, _, _ = killed_and_resumed
-    assert "fault injection: killing engine 0" in output, output[-3000:]
-    assert "step 3: SGLang engine 0 died during generation" in output and "restarted it" in output, output[-3000:]
-    assert [steps[k]["rollout/engine_restarts"] for k in (3, 4)] == [1, 0]
+    run = killed_and_resumed
+    assert "fault injection: killing engine 0" in run.output, run.output[-3000:]
+    assert "step 3: SGLang engine 0 died during generation" in run.output and "restarted it" in run.output, \
+        run.output[-3000:]
+    assert [run.steps[k]["rollout/engine_restarts"] for k in (3, 4)] == [1, 0]
 
 
 def test_every_role_on_a_pool_of_its_own_matches_the_colocated_run(separate_pools, killed_and_resumed):
     """The colocated run's steps before its kill (steps 1-2: the second samples from weights
     synced after an update) equal the separate pools' (its steps 3-4 are the resume test's)."""
-    steps, output, _, _ = killed_and_resumed
+    run = killed_and_resumed
     # engines use their ranks' cores, not the one thread Ray gives its actors (2 ranks here)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert f"of actor+ref (layout tp=1 pp=1 cp=1) ({threads} CPU thread(s) per rank)" in output, output[-3000:]
-    assert "2 SGLang engine(s) of TP=1 colocated" in output, output[-3000:]
-    _assert_same_steps(steps, separate_pools, (1, 2))
+    assert f"of actor+ref (layout tp=1 pp=1 cp=1) ({threads} CPU thread(s) per rank)" in run.output, \
+        run.output[-3000:]
+    assert "2 SGLang engine(s) of TP=1 colocated" in run.output, run.output[-3000:]
+    _assert_same_steps(run.steps, separate_pools, (1, 2))
     assert separate_pools[4]["actor/kl_loss"] > 1e-6  # the reference's log-probs are in the compared loss
 
 
@@ -228,7 +272,7 @@ def test_auto_resume_skips_a_corrupted_newest_checkpoint(separate_pools, killed_
     """One byte of the newest checkpoint (step 4) flipped: ``resume: auto`` finds it against the
     checksums recorded at save, says so, moves it aside, resumes from step 3 instead, repeats step 4
     exactly and saves it anew."""
-    out = killed_and_resumed[3]
+    out = killed_and_resumed.out
     newest = out / "checkpoints" / "step_000004"
     victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
