@@ -22,9 +22,8 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +32,7 @@ import torch
 from megarl.config.schema import RunConfig
 from megarl.faults import FaultPlan
 from megarl.metrics import MetricsLogger, Timeline
+from megarl.rollout.stream import RolloutStream
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -178,10 +178,11 @@ class Trainer:
             self.faults = FaultPlan()
         except ValueError as exc:
             raise RunError(str(exc)) from None
-        # rollout.mode=one_step_off: the next step's generation, running while this step trains,
-        # and the data position before its prompts were drawn (what a checkpoint resumes from)
-        self._next_rollout: Future | None = None
-        self._data_state_before_next: dict | None = None
+        # rollout.mode one_step_off / streaming: generation ahead of training, and the data position
+        # before each generated step's prompts were drawn (a checkpoint resumes from the first untrained)
+        self.stream: RolloutStream | None = None
+        self._data_lock = threading.Lock()
+        self._data_before: dict[int, dict] = {}
         self._build_data()
         self._start_workers()
 
@@ -394,32 +395,37 @@ class Trainer:
     # ------------------------------------------------------------------ the dataflow pieces
 
     def next_rollout(self) -> dict:
-        """This step's training batch: generated now (``rollout.mode=sync``), or one step off the
-        batch generated while the last step trained, after which the next step's generation
-        starts (with the engines' current weights, those before this step's update)."""
-        if self.cfg.rollout.mode == "sync" or self._next_rollout is None:
-            batch = self.generate(self.loader.next_batch(), self.step)
-        else:
-            batch = self._next_rollout.result()
-        self._next_rollout = None
-        if self.cfg.rollout.mode == "one_step_off" and self.step + 1 < self.cfg.trainer.total_steps:
-            self._data_state_before_next = self.loader.state_dict()
-            if not hasattr(self, "_rollout_thread"):
-                self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="megarl-rollout")
-            self._next_rollout = self._rollout_thread.submit(self.generate, self.loader.next_batch(), self.step + 1)
+        """This step's training batch: generated now (``rollout.mode=sync``), or taken from the
+        generation running ahead of training (``RolloutStream``, started at the first step)."""
+        if self.cfg.rollout.mode == "sync":
+            return self.generate(self.loader.next_batch(), self.step)
+        if self.stream is None:
+            self.stream = RolloutStream(self._generate_ahead, self._apply_weights,
+                                        max_staleness=self.cfg.rollout.staleness, first_step=self.step + 1,
+                                        last_step=self.cfg.trainer.total_steps, version=self.step)
+        timeout_s = self.cfg.trainer.phase_timeout_s
+        try:
+            batch = self.stream.take(self.step + 1, timeout_s)
+        except TimeoutError as exc:
+            raise RunError(f"generation: {exc} (trainer.phase_timeout_s={timeout_s:g} s): a hang, e.g. a stuck "
+                           f"engine or reward. {self._resume_hint()}") from None
+        with self._data_lock:
+            self._data_before.pop(self.step + 1, None)
         return batch
 
-    def wait_for_next_rollout(self) -> None:
-        """Block until the generation running beside this step is done: engines take new weights
-        only when idle (a partial rollout across a sync is not implemented)."""
-        if self._next_rollout is not None:
-            wait_for([self._next_rollout])
+    def _generate_ahead(self, step: int, version: int) -> dict:
+        """``RolloutStream``'s generation of (1-based) step ``step``'s batch by weights ``version``:
+        its prompts are drawn here, in step order, and the data position before them kept."""
+        with self._data_lock:
+            self._data_before[step] = self.loader.state_dict()
+            prompts = self.loader.next_batch()
+        return self.generate(prompts, step - 1, version)
 
-    def generate(self, prompts: dict, step: int) -> dict:
+    def generate(self, prompts: dict, step: int, version: int | None = None) -> dict:
         """``rollout.n`` samples of every prompt from the engines (multi-turn trajectories with tool
-        calls when ``rollout.multi_turn.enabled``): the batch step ``step`` trains on, sampled with
-        that step's seed by the engines' current weights (their ``weight_version``: the number of
-        updates synced into them, ``self.step`` while they generate)."""
+        calls when ``rollout.multi_turn.enabled``): the batch (0-based) step ``step`` trains on,
+        sampled with that step's seed by the engines' current weights (their ``weight_version``:
+        the number of updates synced into them; default ``self.step``)."""
         from megarl.rollout.engine_worker import engine_shares
 
         r = self.cfg.rollout
@@ -431,7 +437,7 @@ class Trainer:
             params["stop_token_ids"] = list(r.stop_token_ids)
         shares = engine_shares(len(prompt_ids), len(self.engines))
         seed = self.cfg.trainer.seed * 100_003 + step
-        version, started = self.step, time.time()
+        version, started = self.step if version is None else version, time.time()
         extra: dict[str, list] = {}
         rollout_metrics: dict[str, float] = {}
         restarts = [0]  # engines restarted during this step (a list: the agent loop's callback adds to it)
@@ -511,7 +517,7 @@ class Trainer:
         restarted, given the current weights by a full (checksum-verified) sync and asked again
         with the same seed, so it samples what it would have; at most ``rollout.max_engine_restarts``
         times per step (``restarts[0]`` counts them), and never while the actor trains beside the
-        generation (``one_step_off``: the sync would write other weights than the batch's)."""
+        generation (generation ahead of training: the sync would write other weights than the batch's)."""
         import ray
 
         from megarl.rollout.engine import EngineDiedError
@@ -535,8 +541,9 @@ class Trainer:
                 why = str(cause).splitlines()[0]
                 if restarts[0] >= self.cfg.rollout.max_engine_restarts or self.cfg.rollout.mode != "sync":
                     raise RunError(f"step {step + 1}: SGLang engine {e} died during generation ({why}); "
-                                   + ("restarts are not done one step off (the sync would write the weights being "
-                                      "trained); use rollout.mode=sync" if self.cfg.rollout.mode != "sync" else
+                                   + ("restarts are not done with generation ahead of training (the sync would "
+                                      "write newer weights than the batch's); use rollout.mode=sync"
+                                      if self.cfg.rollout.mode != "sync" else
                                       f"rollout.max_engine_restarts={self.cfg.rollout.max_engine_restarts} restarts "
                                       "this step already") + "; run the same command to resume from the last checkpoint"
                                    ) from exc
@@ -638,7 +645,19 @@ class Trainer:
         return {key: sum(values) / len(values) for key, values in seen.items()}
 
     def sync_weights(self) -> dict[str, float]:
-        """Reshard the actor's weights into every engine rank's parameters, in place, verified.
+        """Reshard the actor's weights into every engine rank's parameters, in place, verified; with
+        generation ahead of training (``self.stream``) the engines take them before their next
+        generation, and the metrics are those of the applies done since the last step."""
+        payload = self._weight_payload()
+        if self.stream is None:
+            return self._apply_weights(payload)
+        self.stream.publish(self.step + 1, payload)
+        applied = self.stream.take_applied()
+        return applied[-1] if applied else {}
+
+    def _weight_payload(self) -> list[list]:
+        """Each engine's ``update_weights`` arguments: its ranks' SGLang tensors (Ray references),
+        resharded from the actor's current weights.
 
         Colocated, engine e's rank r is assembled on device e * tp + r; on a separate pool each
         SGLang rank's shards are assembled once on a trainer device and every engine reads them."""
@@ -649,12 +668,17 @@ class Trainer:
                   for ranks, plan in self.sync_rounds]
         if self.cfg.rollout.placement == "separate":
             per_rank = {rank: shards[device] for ranks, shards in rounds for device, rank in ranks.items()}
-            arguments = [[per_rank[r] for r in range(tp)]] * len(self.engines)
-        else:
-            [(_, shards)] = rounds
-            arguments = [shards[e * tp:(e + 1) * tp] for e in range(len(self.engines))]
-        results = self.gather([engine.update_weights.remote(*args) for engine, args in zip(self.engines, arguments)],
+            return [[per_rank[r] for r in range(tp)]] * len(self.engines)
+        [(_, shards)] = rounds
+        return [shards[e * tp:(e + 1) * tp] for e in range(len(self.engines))]
+
+    def _apply_weights(self, payload: list[list]) -> dict[str, float]:
+        """The engines' part of a sync: each writes its ranks' tensors and verifies them."""
+        started = time.time()
+        results = self.gather([engine.update_weights.remote(*args) for engine, args in zip(self.engines, payload)],
                               self._engine_names(), "weight sync")
+        if self.stream is not None:
+            self.timeline.span("apply weights", "rollout", started, time.time(), self.step + 1)
         return {"sync/bytes": sum(r["bytes"] for r in results), "sync/buckets": results[0]["buckets"],
                 "sync/push_s": max(r["push_s"] for r in results), "sync/verify_s": max(r["verify_s"] for r in results)}
 
@@ -761,9 +785,10 @@ class Trainer:
         return target
 
     def run_state(self) -> dict:
-        """What a checkpoint keeps beside the models: the data position (before the prompts of a
-        generation running one step ahead: a resumed run generates them again) and the KL controller."""
-        data = self._data_state_before_next if self._next_rollout is not None else self.loader.state_dict()
+        """What a checkpoint keeps beside the models: the data position (before the prompts of any
+        generation running ahead: a resumed run generates them again) and the KL controller."""
+        with self._data_lock:
+            data = self._data_before.get(self.step + 1) or self.loader.state_dict()
         return {"data": data, "kl_controller": self.kl_controller.state_dict()}
 
     def load_run_state(self, state: dict) -> None:
@@ -833,8 +858,8 @@ class Trainer:
         """Stop every engine and worker (and Ray, if this trainer started it)."""
         import ray
 
-        if hasattr(self, "_rollout_thread"):  # a generation one step ahead ends with the engines
-            self._rollout_thread.shutdown(wait=False, cancel_futures=True)
+        if getattr(self, "stream", None) is not None:  # a generation running ahead ends with the engines
+            self.stream.close()
         for engine in getattr(self, "engines", []):
             try:
                 ray.get(engine.shutdown.remote(), timeout=60)
@@ -942,7 +967,7 @@ def _recomputes_old_logp(t: Trainer) -> bool:
     if alg.rollout_correction.bypass:
         return False
     return (a.ppo_epochs * t._minibatches_per_step(a.mini_batch_size) > 1 or alg.kl_penalty.enabled
-            or t.cfg.critic.enabled or alg.rollout_correction.method != "none" or t.cfg.rollout.mode != "sync")
+            or t.cfg.critic.enabled or alg.rollout_correction.method != "none" or t.cfg.rollout.staleness > 0)
 
 
 def _common_metrics(batch: dict, scores: torch.Tensor, reward_stats: dict, metrics: dict) -> None:
@@ -962,7 +987,7 @@ def rl_step(t: Trainer) -> dict[str, float]:
     metrics: dict[str, float] = {}
     timed = _Timer(metrics, t.timeline, t.step + 1)
     start = time.perf_counter()
-    with timed("generate"):  # one step off: the wait for the batch generated during the last step
+    with timed("generate"):  # ahead of training: the wait for the batch generated meanwhile
         batch = t.next_rollout()
     t.engines_hold_memory(False)
     with timed("reward"):
@@ -984,8 +1009,6 @@ def rl_step(t: Trainer) -> dict[str, float]:
         t.save_rollouts(batch, scores, t.step + 1)
     with timed("update"):
         metrics.update(t.update(batch))
-    with timed("wait_generation"):  # one step off: the next batch's generation, if training was faster
-        t.wait_for_next_rollout()
     with timed("sync"):
         t.engines_hold_memory(True)
         metrics.update(t.sync_weights())

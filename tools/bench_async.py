@@ -2,8 +2,8 @@
 """Benchmark rollout modes side by side: the quickstart GRPO run with the engines on a pool of
 their own, once per ``rollout.mode``, on the same cores, model, prompts and samples. Prints a table.
 
-    .venv/bin/python tools/bench_async.py [--modes sync,one_step_off] [--steps 12] [--warmup 2]
-        [--length 16] [--rounds 2] [--workdir runs/bench_async] [--plot]
+    .venv/bin/python tools/bench_async.py [--modes sync,one_step_off,streaming,control] [--max-staleness 2]
+        [--steps 12] [--warmup 2] [--length 16] [--rounds 2] [--workdir runs/bench_async] [--plot]
 
 Each run: the quickstart config (tiny-qwen2, 16 prompts x 8 samples per step) on
 ``cluster.cpu_ranks_per_node=2`` split into a training pool of 1 rank (actor and reference) and
@@ -11,8 +11,9 @@ a rollout pool of 1 rank (one SGLang engine), completions of exactly ``--length`
 (``rollout.ignore_eos``). Samples/s is 128 over the median step time of the steps after ``--warmup``
 (from ``metrics.jsonl``); the reward is the mean over the last 3 steps. Rounds alternate which
 mode runs first (this machine's speed drifts within minutes). The ratio is each mode's samples/s
-over sync's in the same round; the table shows the median over rounds. ``--plot`` draws each
-run's timeline (``tools/plot_timeline.py``) next to it.
+over sync's in the same round; the table shows the median over rounds. ``control`` is the sync
+run without learning (lr 1e-12: Adam moves each weight by ~1e-12), the reward every mode must rise
+above. ``--plot`` draws each run's timeline (``tools/plot_timeline.py``) next to it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def run_mode(mode: str, out: Path, args: argparse.Namespace) -> dict:
         "data.train_files": f"[{data}]", "trainer.output_dir": str(out), "trainer.loggers": "[console]",
         "trainer.total_steps": args.warmup + args.steps, "trainer.save_every": 0, "trainer.resume": "none",
         "cluster.cpu_ranks_per_node": 2, "cluster.pools": "{train: 1, rollout: 1}", "actor.pool": "train",
-        "rollout.placement": "separate", "rollout.pool": "rollout", "rollout.mode": mode,
+        "rollout.placement": "separate", "rollout.pool": "rollout", "rollout.mode": "sync" if mode == "control" else mode,
+        **({"rollout.max_staleness": args.max_staleness} if mode == "streaming" else {}),
+        **({"actor.optim.lr": 1e-12} if mode == "control" else {}),
         "rollout.ignore_eos": "true", "rollout.max_new_tokens": args.length, "data.max_prompt_length": 16,
         "actor.micro_batch_size": 32, "ref.micro_batch_size": 32,
     }
@@ -67,7 +70,8 @@ def run_mode(mode: str, out: Path, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="sync,one_step_off")
+    parser.add_argument("--modes", default="sync,one_step_off,streaming,control")
+    parser.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness of streaming")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps excluded from the times")
     parser.add_argument("--length", type=int, default=16, help="tokens per completion")

@@ -279,14 +279,23 @@ class RolloutConfig(_Section):
     stop_token_ids: list[Int] = field(default_factory=list)
     ignore_eos: Bool = False  # true: every response is max_new_tokens long (benchmarks)
     # sync: generate, then train on it; one_step_off: the next step's batch is generated (with the
-    # weights before this step's update) while this step trains, so each batch is one version old
-    # (engines on a pool of their own: rollout.placement=separate)
-    mode: Literal["sync", "one_step_off"] = "sync"
+    # weights before this step's update) while this step trains, so each batch is one version old;
+    # streaming: batches are generated as far ahead as max_staleness allows (megarl.rollout.stream).
+    # The last two need engines on a pool of their own (rollout.placement=separate).
+    mode: Literal["sync", "one_step_off", "streaming"] = "sync"
+    # streaming: the most updates a batch's generating weights may lag the weights trained on it
+    # (0: the synchronous loop's batches; one_step_off is 1)
+    max_staleness: Int = bounded(1, ge=0, fix="use e.g. 1 or 2 (0: no generation ahead of training)")
     # an engine that dies during generation is restarted, resynced and asked again, this often per step
     max_engine_restarts: Int = bounded(2, ge=0, fix="use e.g. 2 (0: a dead engine stops the run)")
     # SGLang's static memory fraction (weights + KV cache)
     mem_fraction_static: Float = bounded(0.5, gt=0, lt=1, fix="use e.g. 0.5 when colocated, 0.85 on a separate pool")
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+
+    @property
+    def staleness(self) -> int:
+        """The most updates a batch's generating weights lag the trained ones, by mode."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
 
 @dataclass

@@ -339,6 +339,9 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
         p.add("rollout.mode", r.mode, "generation overlaps training only on engines with ranks of their own "
               "(colocated engines share the actor's devices)",
               "set rollout.placement=separate with a rollout.pool, or rollout.mode=sync")
+    if r.mode != "streaming" and r.max_staleness != 1:
+        p.add("rollout.max_staleness", r.max_staleness, f"only rollout.mode=streaming reads it (the mode is {r.mode!r}, "
+              f"whose staleness is {r.staleness})", "set rollout.mode=streaming, or leave rollout.max_staleness out")
     if r.placement != "separate" and r.pool is not None and r.pool != cfg.actor.pool:
         p.add("rollout.pool", r.pool, f"a colocated rollout runs on the actor's pool ({cfg.actor.pool!r})",
               "set rollout.placement=separate, or rollout.pool=null")

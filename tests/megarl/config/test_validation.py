@@ -407,3 +407,14 @@ def test_one_step_off_needs_engines_on_their_own_pool(problems):
     assert line.startswith('rollout.mode="one_step_off": generation overlaps training only on engines with ranks of '
                            "their own"), line
     assert "rollout.placement=separate" in line
+
+
+def test_streaming_needs_engines_on_their_own_pool_and_only_it_reads_max_staleness(problems):
+    line = _one(problems("rollout.mode=streaming", "rollout.max_staleness=2"))
+    assert line.startswith('rollout.mode="streaming": generation overlaps training only on engines with ranks of '
+                           "their own"), line
+    line = _one(problems("rollout.max_staleness=2"))
+    assert line == ("rollout.max_staleness=2: only rollout.mode=streaming reads it (the mode is 'sync', whose "
+                    "staleness is 0); set rollout.mode=streaming, or leave rollout.max_staleness out"), line
+    assert problems("rollout.max_staleness=-1")[0] == ("rollout.max_staleness=-1: must be >= 0; use e.g. 1 or 2 "
+                                                       "(0: no generation ahead of training)")
