@@ -49,11 +49,22 @@ def plot(events: list[dict], output: str | Path, title: str = "") -> Path:
     return Path(output)
 
 
+def events_of_steps(events: list[dict], steps: range) -> list[dict]:
+    """The events while the controller ran ``steps``: on every lane, so generation running ahead
+    for later steps shows beside them (without controller phases there: the events of ``steps``)."""
+    own = [e for e in events if e["args"]["step"] in steps]
+    phases = [e for e in own if e["lane"] == "controller"]
+    if not phases:
+        return own
+    start, end = min(e["ts"] for e in phases), max(e["ts"] + e["dur"] for e in phases)
+    return [e for e in events if e["ts"] < end and e["ts"] + e["dur"] > start]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("timeline", help="a run's timeline.json")
     parser.add_argument("--output", default=None, help="PNG path (default: next to the timeline)")
-    parser.add_argument("--steps", default=None, help="only these steps, e.g. 3-6")
+    parser.add_argument("--steps", default=None, help="only while the controller ran these steps, e.g. 3-6")
     args = parser.parse_args(argv)
     try:
         events = read_timeline(args.timeline)
@@ -63,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         first, _, last = args.steps.partition("-")
         keep = range(int(first), int(last or first) + 1)
-        events = [e for e in events if e["args"]["step"] in keep]
+        events = events_of_steps(events, keep)
     if not events:
         print(f"plot_timeline: no phases in {args.timeline}" + (f" for steps {args.steps}" if args.steps else ""),
               file=sys.stderr)

@@ -24,3 +24,9 @@ def test_timeline_is_a_chrome_trace_that_resumes_and_plots(tmp_path):
     assert plot_timeline.main([str(path), "--output", str(png), "--steps", "1"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert plot_timeline.main([str(path), "--steps", "7-9"]) == 2  # no phases there: says so
+    # A step's window shows whatever ran meanwhile: here the generation of step 2, ahead of training.
+    timeline.span("generate", "rollout", 101.6, 102.0, 2)
+    timeline.span("update", "controller", 102.5, 103.0, 2)
+    window = plot_timeline.events_of_steps(read_timeline(path), range(1, 2))
+    assert [(e["name"], e["args"]["step"]) for e in window] == [
+        ("generate", 1), ("update", 1), ("sync", 1), ("generate", 2)]
