@@ -407,8 +407,8 @@ class Trainer:
         try:
             batch = self.stream.take(self.step + 1, timeout_s)
         except TimeoutError as exc:
-            raise RunError(f"generation: {exc} (trainer.phase_timeout_s={timeout_s:g} s): a hang, e.g. a stuck "
-                           f"engine or reward. {self._resume_hint()}") from None
+            raise RunError(f"generation: {exc}, trainer.phase_timeout_s={timeout_s:g} s: a hang, e.g. a stuck "
+                           f"engine. {self._resume_hint()}") from None
         with self._data_lock:
             self._data_before.pop(self.step + 1, None)
         return batch

@@ -33,6 +33,7 @@ class RolloutStream:
         self._ready: dict[int, Any] = {}
         self._applied: list[dict] = []  # metrics of the applies since the last take_applied()
         self._error: BaseException | None = None
+        self._doing = "starting"  # what the thread is doing, for a timeout's message
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, args=(first_step,), name="megarl-rollout", daemon=True)
@@ -52,9 +53,8 @@ class RolloutStream:
             while step not in self._ready and self._error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    needed = step - 1 - self.max_staleness
-                    raise TimeoutError(f"the batch of step {step} was not generated within {timeout_s:g} s (the engines "
-                                       f"hold {self.version} update(s); it needs at least {max(needed, 0)})")
+                    raise TimeoutError(f"the batch of step {step} was not generated within {timeout_s:g} s (the "
+                                       f"rollout thread is {self._doing})")
                 self._cond.wait(left)
             if step in self._ready:
                 return self._ready.pop(step)
@@ -77,18 +77,21 @@ class RolloutStream:
             while step <= self.last_step:
                 needed = step - 1 - self.max_staleness  # the oldest weights step's batch may come from
                 with self._cond:
+                    self._doing = f"waiting for the weights of update {needed} (the engines hold {self.version})"
                     while not self._closed and self._published is None and self.version < needed:
                         self._cond.wait()
                     if self._closed:
                         return
                     published, self._published = self._published, None
                 if published is not None:
+                    self._doing = f"applying the weights of update {published[0]}"
                     metrics = self._apply(published[1])
                     self.version = published[0]
                     with self._cond:
                         self._applied.append(metrics)
                 if self.version < needed:
                     continue
+                self._doing = f"generating step {step}'s batch with the weights of update {self.version}"
                 batch = self._generate(step, self.version)
                 with self._cond:
                     self._ready[step] = batch

@@ -103,8 +103,18 @@ def test_a_failed_generation_reaches_the_trainer_and_a_stuck_one_times_out():
     stream = _stream(Engines(), 0, steps=4)
     try:
         assert stream.take(1, 10) == (1, 0)
-        with pytest.raises(TimeoutError, match=r"^the batch of step 2 was not generated within 0.3 s \(the engines "
-                                               r"hold 0 update\(s\); it needs at least 1\)"):
+        with pytest.raises(TimeoutError, match=r"^the batch of step 2 was not generated within 0.3 s \(the rollout "
+                                               r"thread is waiting for the weights of update 1 \(the engines hold 0\)\)"):
             stream.take(2, 0.3)  # K = 0: step 2's generation waits for weights never published
     finally:
         stream.close()
+    engines = Engines(block_at=2)  # a stuck engine
+    stream = _stream(engines, 1, steps=4)
+    try:
+        assert stream.take(1, 10) == (1, 0)
+        with pytest.raises(TimeoutError, match=r"^the batch of step 2 was not generated within 0.3 s \(the rollout "
+                                               r"thread is generating step 2's batch with the weights of update 0\)"):
+            stream.take(2, 0.3)
+    finally:
+        stream.close()
+        engines.release.set()
