@@ -441,16 +441,24 @@ class Trainer:
         extra: dict[str, list] = {}
         rollout_metrics: dict[str, float] = {}
         restarts = [0]  # engines restarted during this step (a list: the agent loop's callback adds to it)
+        sample_versions = [version] * len(prompt_ids)  # the weights of each sample's oldest token
         if self.agent is None:
-            per_engine = self._generate_on_engines([[prompt_ids[i] for i in share] for share in shares],
-                                                   [[params] * len(share) for share in shares],
-                                                   [seed + e for e in range(len(self.engines))], step, restarts)
-            outputs: list[dict] = [None] * len(prompt_ids)
-            for share, results in zip(shares, per_engine):
-                for i, out in zip(share, results):
-                    outputs[i] = out
-            responses = [out["output_ids"][: r.max_new_tokens] for out in outputs]
-            logprobs = [out["output_logprobs"][: len(resp)] for out, resp in zip(outputs, responses)]
+            seeds = [seed + e for e in range(len(self.engines))]
+            if r.partial_rollout_tokens and self.stream is not None:
+                responses, logprobs, versions = self._generate_in_chunks(prompt_ids, shares, params, seeds, step,
+                                                                         restarts, version)
+                rollout_metrics = _partial_rollout_metrics(versions, step)
+                sample_versions = [min(v, default=version) for v in versions]
+            else:
+                per_engine = self._generate_on_engines([[prompt_ids[i] for i in share] for share in shares],
+                                                       [[params] * len(share) for share in shares], seeds, step,
+                                                       restarts)
+                outputs: list[dict] = [None] * len(prompt_ids)
+                for share, results in zip(shares, per_engine):
+                    for i, out in zip(share, results):
+                        outputs[i] = out
+                responses = [out["output_ids"][: r.max_new_tokens] for out in outputs]
+                logprobs = [out["output_logprobs"][: len(resp)] for out, resp in zip(outputs, responses)]
             masks = None
         else:
             from megarl.agent import trajectory_metrics
@@ -487,7 +495,7 @@ class Trainer:
             "data_source": repeat(prompts["data_source"]),
             "ground_truth": repeat(prompts["ground_truth"]),
             "extra_info": repeat(prompts["extra_info"]),
-            "weight_version": torch.full((len(prompt_ids),), version),
+            "weight_version": torch.tensor(sample_versions),
             **extra,
         }
         ended = time.time()
@@ -497,6 +505,38 @@ class Trainer:
         if masks is not None:
             batch["loss_mask"] = loss_mask
         return batch
+
+    def _generate_in_chunks(self, prompt_ids: list[list[int]], shares: list[list[int]], params: dict,
+                            seeds: list[int], step: int, restarts: list[int], version: int):
+        """Partial rollouts (``rollout.partial_rollout_tokens``): every sample's response in chunks of
+        that many tokens, each chunk asked of the engines as the continuation of the sample so far
+        (re-seeded on the first chunk only, so without new weights the sampling goes on as in one
+        call); before every later chunk the engines take the newest published weights
+        (``RolloutStream.refresh``). Returns each sample's response ids, their log-probs and the
+        weight version that sampled each token."""
+        chunk, most = self.cfg.rollout.partial_rollout_tokens, params["max_new_tokens"]
+        ids: list[list[int]] = [[] for _ in prompt_ids]
+        logprobs: list[list[float]] = [[] for _ in prompt_ids]
+        versions: list[list[int]] = [[] for _ in prompt_ids]
+        active, first = [list(share) for share in shares], True
+        while any(active):
+            if not first:
+                version = self.stream.refresh()
+            per_engine = self._generate_on_engines(
+                [[prompt_ids[i] + ids[i] for i in share] for share in active],
+                [[{**params, "max_new_tokens": min(chunk, most - len(ids[i]))} for i in share] for share in active],
+                seeds if first else [None] * len(self.engines), step, restarts)
+            going = set()
+            for share, results in zip(active, per_engine):
+                for i, out in zip(share, results):
+                    new = out["output_ids"][: most - len(ids[i])]
+                    ids[i] += new
+                    logprobs[i] += out["output_logprobs"][: len(new)]
+                    versions[i] += [version] * len(new)
+                    if new and out["finish_reason"] == "length" and len(ids[i]) < most:
+                        going.add(i)
+            active, first = [[i for i in share if i in going] for share in active], False
+        return ids, logprobs, versions
 
     def _engine_turns(self, seed: int, step: int, restarts: list[int]):
         """The agent loop's ``generate``: every engine's requests of one turn at once; sampling is
@@ -968,6 +1008,14 @@ def _recomputes_old_logp(t: Trainer) -> bool:
         return False
     return (a.ppo_epochs * t._minibatches_per_step(a.mini_batch_size) > 1 or alg.kl_penalty.enabled
             or t.cfg.critic.enabled or alg.rollout_correction.method != "none" or t.cfg.rollout.staleness > 0)
+
+
+def _partial_rollout_metrics(versions: list[list[int]], step: int) -> dict[str, float]:
+    """Partial rollouts: the samples whose tokens come from more than one weight version, and the
+    mean lag of a token's weights behind the weights (0-based) step ``step`` trains with."""
+    tokens = [v for sample in versions for v in sample]
+    return {"rollout/partial_samples": float(sum(len(set(sample)) > 1 for sample in versions)),
+            "rollout/token_version_lag_mean": float(step - sum(tokens) / max(len(tokens), 1))}
 
 
 def _common_metrics(batch: dict, scores: torch.Tensor, reward_stats: dict, metrics: dict) -> None:

@@ -286,6 +286,10 @@ class RolloutConfig(_Section):
     # streaming: the most updates a batch's generating weights may lag the weights trained on it
     # (0: the synchronous loop's batches; one_step_off is 1)
     max_staleness: Int = bounded(1, ge=0, fix="use e.g. 1 or 2 (0: no generation ahead of training)")
+    # partial rollouts (one_step_off, streaming): > 0 generates a batch in chunks of this many new
+    # tokens, the engines taking weights published meanwhile between chunks, so a sample's later
+    # tokens may come from newer weights than its first (each token's version is counted); 0: whole batches
+    partial_rollout_tokens: Int = bounded(0, ge=0, fix="use 0 (off) or e.g. 64")
     # an engine that dies during generation is restarted, resynced and asked again, this often per step
     max_engine_restarts: Int = bounded(2, ge=0, fix="use e.g. 2 (0: a dead engine stops the run)")
     # SGLang's static memory fraction (weights + KV cache)

@@ -339,6 +339,16 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
         p.add("rollout.mode", r.mode, "generation overlaps training only on engines with ranks of their own "
               "(colocated engines share the actor's devices)",
               "set rollout.placement=separate with a rollout.pool, or rollout.mode=sync")
+    if r.partial_rollout_tokens:
+        if r.mode == "sync":
+            p.add("rollout.partial_rollout_tokens", r.partial_rollout_tokens, "partial rollouts continue a batch "
+                  "across a weight update, which happens only with generation ahead of training",
+                  "set rollout.mode=one_step_off or streaming, or rollout.partial_rollout_tokens=0")
+        if r.multi_turn.enabled or cfg.actor.routing_replay:
+            field = "rollout.multi_turn.enabled" if r.multi_turn.enabled else "actor.routing_replay"
+            p.add("rollout.partial_rollout_tokens", r.partial_rollout_tokens, f"partial rollouts are not done with "
+                  f"{field}=true (a continued sample would mix turns or routes of two weight versions)",
+                  f"set rollout.partial_rollout_tokens=0, or {field}=false")
     if r.mode != "streaming" and r.max_staleness != 1:
         p.add("rollout.max_staleness", r.max_staleness, f"only rollout.mode=streaming reads it (the mode is {r.mode!r}, "
               f"whose staleness is {r.staleness})", "set rollout.mode=streaming, or leave rollout.max_staleness out")

@@ -7,7 +7,8 @@ applies the newest published weights to the engines before each generation (engi
 weights only between generations), and starts the batch of step ``j`` only once the engines hold at
 least ``j - 1 - max_staleness`` updates. So every batch is at most ``max_staleness`` versions older
 than the weights that train on it; with 0 the thread waits for each update's weights, which is the
-synchronous loop with the same batches, seeds and weights.
+synchronous loop with the same batches, seeds and weights. With partial rollouts the generation
+calls ``refresh`` between chunks of a batch, so weights published meanwhile reach its later tokens.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ class RolloutStream:
                 return self._ready.pop(step)
             raise self._error
 
+    def refresh(self) -> int:
+        """From within ``generate`` (between the chunks of a partial rollout): apply the newest
+        published weights, if any; returns the updates the engines hold."""
+        assert threading.current_thread() is self._thread, "refresh() belongs to the stream's own generation"
+        with self._cond:
+            published, self._published = self._published, None
+        if published is not None:
+            self._apply_published(*published)
+        return self.version
+
     def take_applied(self) -> list[dict]:
         """The metrics of every weight apply since the last call, oldest first."""
         with self._cond:
@@ -84,11 +95,7 @@ class RolloutStream:
                         return
                     published, self._published = self._published, None
                 if published is not None:
-                    self._doing = f"applying the weights of update {published[0]}"
-                    metrics = self._apply(published[1])
-                    self.version = published[0]
-                    with self._cond:
-                        self._applied.append(metrics)
+                    self._apply_published(*published)
                 if self.version < needed:
                     continue
                 self._doing = f"generating step {step}'s batch with the weights of update {self.version}"
@@ -101,3 +108,11 @@ class RolloutStream:
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+
+    def _apply_published(self, version: int, payload: Any) -> None:
+        doing, self._doing = self._doing, f"applying the weights of update {version}"
+        metrics = self._apply(payload)
+        self.version = version
+        with self._cond:
+            self._applied.append(metrics)
+        self._doing = doing

@@ -418,3 +418,10 @@ def test_streaming_needs_engines_on_their_own_pool_and_only_it_reads_max_stalene
                     "staleness is 0); set rollout.mode=streaming, or leave rollout.max_staleness out"), line
     assert problems("rollout.max_staleness=-1")[0] == ("rollout.max_staleness=-1: must be >= 0; use e.g. 1 or 2 "
                                                        "(0: no generation ahead of training)")
+
+
+def test_partial_rollouts_need_generation_ahead_of_training(problems):
+    line = _one(problems("rollout.partial_rollout_tokens=4"))
+    assert line == ("rollout.partial_rollout_tokens=4: partial rollouts continue a batch across a weight update, "
+                    "which happens only with generation ahead of training; set rollout.mode=one_step_off or "
+                    "streaming, or rollout.partial_rollout_tokens=0"), line

@@ -118,3 +118,30 @@ def test_a_failed_generation_reaches_the_trainer_and_a_stuck_one_times_out():
     finally:
         stream.close()
         engines.release.set()
+
+
+def test_a_partial_rollout_takes_weights_published_during_its_generation():
+    """A generation that calls ``refresh`` between its chunks (``rollout.partial_rollout_tokens``)
+    continues with the weights the trainer published meanwhile; the batch's first chunk keeps the
+    weights it started with, so the bound (on a sample's oldest token) still holds."""
+    published, chunk_versions = threading.Event(), []
+    engines = Engines()
+
+    def generate(step, version):
+        chunk_versions.append((step, version))
+        if step == 2:
+            assert published.wait(10)
+            chunk_versions.append((step, stream.refresh()))
+        return step, version
+
+    stream = RolloutStream(generate, engines.apply, max_staleness=1, first_step=1, last_step=2, version=0)
+    try:
+        assert stream.take(1, 10) == (1, 0)
+        stream.publish(1, 1)
+        published.set()
+        assert stream.take(2, 10) == (2, 0)
+        assert chunk_versions == [(1, 0), (2, 0), (2, 1)] and engines.applied == [1]
+        with pytest.raises(AssertionError, match="refresh"):
+            stream.refresh()  # not from the trainer's thread
+    finally:
+        stream.close()
