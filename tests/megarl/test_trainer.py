@@ -211,7 +211,7 @@ def _assert_same_steps(run: dict, oracle: dict, steps, keys=COMPARED) -> None:
 def test_resume_after_sigkill_matches_an_uninterrupted_run(separate_pools, killed_and_resumed):
     run = killed_and_resumed
     assert "resumed from" in run.output and "(step 2)" in run.output, run.output[-3000:]
-    assert [step for step in run.steps] == [1, 2, 3]  # every step logged once
+    assert list(run.steps) == [1, 2, 3]  # every step logged once
     _assert_same_steps(run.steps, separate_pools, (3,))
     assert run.survivors == [], f"processes of the killed run still alive: {run.survivors}"
 
