@@ -175,11 +175,13 @@ def killed_and_resumed(prompts, tmp_path_factory):
     shards), then run again until a Megatron worker dies in step 4's update: its steps, output and
     leftovers, as a namespace (fields below). The corrupted-checkpoint test below runs it to the end."""
     out = tmp_path_factory.mktemp("killed")
-    proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **KILLED) + ["--no-export"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "MEGARL_FAULTS": "kill_driver_during_save@3"})
+    log = tmp_path_factory.mktemp("killed_log") / "output.txt"
+    with log.open("w") as log_file:
+        proc = subprocess.Popen(MEGARL + _overrides(prompts, out, **KILLED) + ["--no-export"], cwd=ROOT,
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "MEGARL_FAULTS": "kill_driver_during_save@3"})
     try:
-        assert proc.wait(timeout=600) == -signal.SIGKILL
+        assert proc.wait(timeout=600) == -signal.SIGKILL, log.read_text()[-3000:]
         # Ray's own per-node agents outlive a SIGKILLed driver that started Ray (they are killed with
         # the session below); the run's workers, engines and reward processes must all be gone.
         survivors = _survivors(proc.pid, ignore=("ray::DashboardAgent", "ray::RuntimeEnvAgent"))
