@@ -425,7 +425,8 @@ class MegatronWorker:
         staged = buffers is not None  # else /dev/shm had no room: through Ray
         if buffers is None:
             buffers = {name: torch.empty(t.shape, dtype=dtype) for name, t in wanted.items()}
-        execute_plan(plan, device, sources, buffers)
+        # the parameters and the staging buffer are the same storages at every sync: keep the views
+        execute_plan(plan, device, sources, buffers, reuse_views=staged)
         return SharedMemoryStaging.named(buffers) if staged else shards_for_transport(buffers)
 
     # ------------------------------------------------------------------ checkpoints

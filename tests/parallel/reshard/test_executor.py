@@ -91,6 +91,34 @@ def test_a_pickled_plan_travels_without_its_compiled_runs_and_still_executes():
     assert_same(actual, expected)
 
 
+def test_kept_views_read_new_values_and_are_rebuilt_for_new_tensors():
+    """``reuse_views`` (a sync into the same staging buffer): later executions write the sources'
+    new values; new destination tensors get views of their own, and the old ones are left alone.
+    Without it no view outlives an execution (views keep their tensors' memory alive)."""
+    plan, sources = setup("tiny-llama", "tp2pp2-to-tp2")  # zero fills too (a padded vocabulary)
+    expected, actual = empty_destinations(plan), empty_destinations(plan)
+    for _ in range(2):
+        for tensors in sources.values():
+            for tensor in tensors.values():
+                tensor.mul_(-2).add_(1)
+        reference_execution(plan, sources, expected)
+        execute_plan_in_memory(plan, sources, actual, reuse_views=True)
+        assert_same(actual, expected)
+    [compiled] = plan._compiled.values()
+    assert compiled.kept is not None
+    before = {device: {key: t.clone() for key, t in tensors.items()} for device, tensors in actual.items()}
+    fresh = empty_destinations(plan)
+    for tensors in sources.values():
+        for tensor in tensors.values():
+            tensor.add_(3)
+    reference_execution(plan, sources, expected)
+    execute_plan_in_memory(plan, sources, fresh, reuse_views=True)
+    assert_same(fresh, expected)
+    assert_same(actual, before)
+    execute_plan_in_memory(plan, sources, fresh)
+    assert compiled.kept is None
+
+
 def test_tensors_other_than_the_compiled_shapes_are_refused():
     plan, sources = setup("tiny-llama", "tp2-to-tp1")
     destinations = empty_destinations(plan)
