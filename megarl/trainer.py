@@ -241,7 +241,8 @@ class Trainer:
         for pool, _roles in worker_groups(cfg).items():
             size = cfg.cluster.pool_sizes()[pool]
             pg = self.placements[pool] = _ready_placement_group([bundle] * size)
-            address, port = ray.get(ray.remote(num_cpus=0)(_address).options(**_in_bundle(pg, 0)).remote())
+            # max_calls=1: the task's worker process exits after it (idle, it would keep ~200 MB of imports)
+            address, port = ray.get(ray.remote(num_cpus=0, max_calls=1)(_address).options(**_in_bundle(pg, 0)).remote())
             self.groups[pool] = [worker_cls.options(**_in_bundle(pg, rank)).remote(
                 rank, size, address, port, threads, group=pool) for rank in range(size)]
         self.role_workers = {role: self.groups[cfg.pool_for(role)] for role in cfg.megatron_roles}

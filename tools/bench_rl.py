@@ -202,22 +202,33 @@ class SideFailed(RuntimeError):
     pass
 
 
-def tree_pss(pid: int) -> int:
-    """Summed PSS of a process and its descendants, in bytes (a shared page is split among its sharers)."""
+def process_label(proc) -> str:
+    """What a process is, for the memory breakdown: a Ray worker's or SGLang process's title
+    (``ray::MegatronWorker``, ``sglang::scheduler``), else its executable's name (``gcs_server``)."""
+    title = (proc.cmdline() or [proc.name()])[0]
+    if title.startswith(("ray::", "sglang::")):
+        return title.split()[0].split(".")[0].rstrip("_0123456789").removesuffix("_TP")
+    return proc.name()
+
+
+def tree_pss(pid: int) -> tuple[int, dict[str, list[int]]]:
+    """Summed PSS of a process and its descendants, in bytes (a shared page is split among its
+    sharers), and each process's PSS grouped by ``process_label``."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return 0, {}
+    by_label: dict[str, list[int]] = {}
     for proc in procs:
         try:
-            total += proc.memory_full_info().pss
+            label = "the side's main process" if proc.pid == pid else process_label(proc)
+            by_label.setdefault(label, []).append(proc.memory_full_info().pss)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    return total
+    return sum(sum(sizes) for sizes in by_label.values()), by_label
 
 
 def stop_tree(proc: subprocess.Popen) -> None:
@@ -247,7 +258,7 @@ def run_side(name: str, cmd: list[str], log_path: Path, threads: int, timeout: f
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    peak = 0
+    peak, peak_processes = 0, {}
     start = last_sample = time.monotonic()
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -255,7 +266,10 @@ def run_side(name: str, cmd: list[str], log_path: Path, threads: int, timeout: f
         try:
             while proc.poll() is None:
                 if time.monotonic() - last_sample >= PSS_EVERY_S:
-                    peak, last_sample = max(peak, tree_pss(proc.pid)), time.monotonic()
+                    total, processes = tree_pss(proc.pid)
+                    if total > peak:
+                        peak, peak_processes = total, processes
+                    last_sample = time.monotonic()
                 if time.monotonic() - start > timeout:
                     raise SideFailed(f"{name} ran past --timeout {timeout:.0f} s")
                 time.sleep(0.5)
@@ -269,7 +283,8 @@ def run_side(name: str, cmd: list[str], log_path: Path, threads: int, timeout: f
         raise SideFailed(f"{name} exited with status {proc.returncode}; log {log_path}, last lines:\n{tail}")
     results = [line[len(RESULT_PREFIX):] for line in text.splitlines() if line.startswith(RESULT_PREFIX)]
     result = json.loads(results[-1]) if results else {}
-    return dict(result, wall_s=wall, peak_gb=peak / 2**30)
+    return dict(result, wall_s=wall, peak_gb=peak / 2**30,
+                peak_processes={label: [size / 2**30 for size in sizes] for label, sizes in peak_processes.items()})
 
 
 def bench_python() -> Path:
@@ -395,8 +410,10 @@ def summarize_case(case: dict, frameworks: list[str]) -> None:
             case["results"][framework] = {"error": case["rounds"][-1][framework]["error"]}
             continue
         columns = ("step_s", "completions_per_s", "tokens_per_s", "generate_s", "update_s", "other_s")
+        peak_round = max(ok, key=lambda r: r["peak_gb"])
         case["results"][framework] = dict({key: statistics.median(r[key] for r in ok) for key in columns},
-                                          peak_gb=max(r["peak_gb"] for r in ok), rounds=len(ok))
+                                          peak_gb=peak_round["peak_gb"], peak_processes=peak_round["peak_processes"],
+                                          rounds=len(ok))
     speedups = [rnd["speedup"] for rnd in case["rounds"] if "speedup" in rnd]
     if speedups:
         case["speedups"] = speedups
@@ -422,6 +439,21 @@ def table(cases: list[dict]) -> str:
                     f"{r['tokens_per_s']:>8.0f} {r['generate_s']:>7.3f} {r['update_s']:>8.3f} {r['other_s']:>7.3f} "
                     f"{r['peak_gb']:>7.2f} {speedup:>18}")
             label = ""
+    return "\n".join(lines)
+
+
+def memory_table(cases: list[dict]) -> str:
+    """Each side's PSS at its peak sample, per kind of process (count, GB), largest first."""
+    lines = []
+    for case in cases:
+        for framework, r in case["results"].items():
+            if "peak_processes" not in r:
+                continue
+            lines.append(f"{case['preset']} L={case['length']} {framework}: peak {r['peak_gb']:.2f} GB =")
+            ranked = sorted(r["peak_processes"].items(), key=lambda item: -sum(item[1]))
+            for label, sizes in ranked:
+                each = f" ({len(sizes)} x {sum(sizes) / len(sizes):.3f})" if len(sizes) > 1 else ""
+                lines.append(f"  {sum(sizes):7.3f} GB  {label}{each}")
     return "\n".join(lines)
 
 
@@ -532,6 +564,9 @@ def main(argv=None) -> int:
     print(f"speedup = TRL s/step / megarl s/step, the median over {args.rounds} round(s) (range: each round's); "
           f"columns: medians over rounds of per-step medians; peak = process-tree PSS. "
           f"Load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end ({os.cpu_count()} CPUs).")
+    print()
+    print("Memory at each side's peak (PSS: a page shared by k processes counts 1/k in each):")
+    print(memory_table(cases))
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
