@@ -31,7 +31,8 @@ the step minus ``_prepare_inputs``, i.e. forward + backward + optimizer). megarl
 Python); its times are the ``time/*`` entries of ``<output_dir>/metrics.jsonl``. The first
 ``--warmup`` steps are excluded; times are medians over the ``--steps`` timed steps (robust to
 the bursts of other processes on a shared machine; the JSON keeps every step). Peak memory is
-the largest summed PSS of the side's process tree, sampled every ``PSS_EVERY_S`` (5 s).
+the largest summed PSS of the side's process tree, sampled every ``PSS_EVERY_S`` (5 s); the
+report prints that sample per kind of process (``process_label``) under the table.
 A round's speedup is TRL's s/step over megarl's (> 1: megarl is faster); a case reports the
 median of its rounds' speedups and their range, and per framework the median over rounds of each
 column.
@@ -204,10 +205,19 @@ class SideFailed(RuntimeError):
 
 def process_label(proc) -> str:
     """What a process is, for the memory breakdown: a Ray worker's or SGLang process's title
-    (``ray::MegatronWorker``, ``sglang::scheduler``), else its executable's name (``gcs_server``)."""
-    title = (proc.cmdline() or [proc.name()])[0]
+    (``ray::MegatronWorker``, ``sglang::scheduler``), a Python process's script or ``-c`` code
+    (``python monitor.py``, ``python -c from megarl.rollout.engine_process ...``), else its
+    executable's name (``gcs_server``)."""
+    argv = proc.cmdline() or [proc.name()]
+    title = argv[0]
     if title.startswith(("ray::", "sglang::")):
         return title.split()[0].split(".")[0].rstrip("_0123456789").removesuffix("_TP")
+    if proc.name().startswith("python"):
+        for i, arg in enumerate(argv[1:], 1):
+            if arg in ("-m", "-c") and i + 1 < len(argv):
+                return f"python {arg} {argv[i + 1][:48]}"
+            if arg.endswith(".py"):
+                return f"python {Path(arg).name}"
     return proc.name()
 
 
