@@ -463,7 +463,11 @@ if [ "${RAY_AUTH_MODE:-token}" = token ]; then
   export RAY_AUTH_MODE=token
   [ -n "${RAY_AUTH_TOKEN:-}" ] || export RAY_AUTH_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
 fi
-ray_args=(--block --disable-usage-stats)
+# No log monitor (a Python process per node that tails every worker's log files and publishes them
+# through the GCS to every driver; megarl's driver does not read them: log_to_driver=False) and,
+# on the head, no autoscaler monitor (a Slurm allocation does not scale): ~0.05 GB each, and no
+# GCS fan-out of worker logs, which grows with the cluster.
+ray_args=(--block --disable-usage-stats --include-log-monitor=false)
 [ -n "$RAY_NUM_CPUS" ] && ray_args+=(--num-cpus="$RAY_NUM_CPUS")
 [ -n "${MEGARL_RAY_NUM_GPUS:-}" ] && ray_args+=(--num-gpus="$MEGARL_RAY_NUM_GPUS")
 start_ray_on() {  # start_ray_on NODE ARGS...: `ray start --block` as a background job step
@@ -475,7 +479,7 @@ start_ray_on() {  # start_ray_on NODE ARGS...: `ray start --block` as a backgrou
   RAY_SRUN[$node]=$!
 }
 log "starting the Ray head on $HEAD ($HEAD_IP:$RAY_PORT)"
-start_ray_on "$HEAD" --head --port="$RAY_PORT" --include-dashboard=false
+start_ray_on "$HEAD" --head --port="$RAY_PORT" --include-dashboard=false --no-monitor
 export RAY_ADDRESS="$HEAD_IP:$RAY_PORT"
 
 # Alive Ray nodes' IPs, straight from the GCS (no dashboard needed); empty while it is not up.
