@@ -331,15 +331,16 @@ class _Compiled:
             addresses.append(tensor.data_ptr())
         return tuple(addresses)
 
-    def local_views(self, sources, destinations, source, target, reuse: bool) -> tuple:
-        """The views of the local runs and fills (``_views``) over the checked tensors. With
-        ``reuse`` they are kept for the next execution over the same storages (which they keep
-        alive): making ~700 views costs a few ms per sync, a tenth of copying 0.25 GiB here."""
+    def local_views(self, sources, destinations, reuse: bool) -> tuple:
+        """The views of the local runs and fills (``_views``) over the checked tensors (as for
+        ``check``). With ``reuse`` they are kept for the next execution over the same storages
+        (which they keep alive): making a MoE plan's ~700 views took 4 ms of a 28 ms execution."""
         addresses = self.check(sources, destinations)
         if self.kept is not None and self.kept[0] == addresses:
             views = self.kept[1]
         else:
-            views = _views(self.local, self.fills, source, target)
+            views = _views(self.local, self.fills, lambda r: sources(r.src)[r.src_key],
+                           lambda r: destinations(r.dst)[r.dst_key])
         self.kept = (addresses, views) if reuse else None
         return views
 
@@ -423,8 +424,7 @@ def execute_plan_in_memory(plan: Plan, sources: Mapping[int, Mapping[tuple[int, 
     writes the destination tensors (contiguous, as are the sources) in place; ``reuse_views`` as
     for ``execute_plan``."""
     compiled = _compiled(plan, None, sources.__getitem__)
-    _run_all(compiled.local_views(sources.__getitem__, destinations.__getitem__, lambda r: sources[r.src][r.src_key],
-                                  lambda r: destinations[r.dst][r.dst_key], reuse_views))
+    _run_all(compiled.local_views(sources.__getitem__, destinations.__getitem__, reuse_views))
 
 
 def execute_plan(
@@ -452,8 +452,8 @@ def execute_plan(
     import torch.distributed as dist
 
     compiled = _compiled(plan, device, lambda d: sources, bucket_bytes)
+    _run_all(compiled.local_views(lambda d: sources, lambda d: destinations, reuse_views))
     source, target = (lambda r: sources[r.src_key]), (lambda r: destinations[r.dst_key])
-    _run_all(compiled.local_views(lambda d: sources, lambda d: destinations, source, target, reuse_views))
     stats = {"local_bytes": sum(math.prod(r.size) for r in compiled.local) * plan.element_size,
              "sent_bytes": 0, "received_bytes": 0}
     capacity = max((numel for _, _, numel, _ in compiled.buckets), default=0)
