@@ -37,6 +37,11 @@ A round's speedup is TRL's s/step over megarl's (> 1: megarl is faster); a case 
 median of its rounds' speedups and their range, and per framework the median over rounds of each
 column.
 
+Each case also prints its GEMM floor: the seconds the step's matrix products take alone as plain
+``torch.mm`` calls at their shapes on the same threads (``step_gemms``: the prompts prefilled and
+trained once per group, every completion token decoded and trained), measured once before the
+rounds. No implementation of the step can be faster; "x GEMM" is each side's step over it.
+
 The machine's load average is printed with the table: another busy process makes 2-thread steps
 many times slower (docs/benchmarks.md); compare numbers only from a quiet machine.
 """
@@ -93,7 +98,8 @@ def prepare_side(args: argparse.Namespace) -> None:
     import torch
     import transformers
 
-    from megarl.data.prepare import write_synthetic_arith
+    from megarl.data.io import write_records
+    from megarl.data.prepare import synthetic_arith_records
     from model_specs.presets import PRESETS as ALL_PRESETS
     from model_specs.presets import save_tiny_hf_model
     from model_specs.tokenizer import save_char_tokenizer
@@ -102,15 +108,62 @@ def prepare_side(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"bench_rl: unknown preset(s) {unknown}; model_specs/presets.py has {sorted(ALL_PRESETS)}")
     workdir = Path(args.workdir)
-    params = {}
+    params, floors = {}, {}
+    records = synthetic_arith_records(args.num_prompts, seed=args.seed, partial_credit_scale=PARTIAL_CREDIT_SCALE)
+    write_records(records, workdir / "arith.parquet")
     for preset in args.presets:
         model_dir = save_tiny_hf_model(preset, workdir / "models" / preset, seed=args.seed)
         save_char_tokenizer(model_dir)
         weights = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
         params[preset] = sum(p.numel() for p in weights.parameters())
-    write_synthetic_arith(workdir / "arith.parquet", args.num_prompts, seed=args.seed,
-                          partial_credit_scale=PARTIAL_CREDIT_SCALE)
-    emit_result({"params": params, "torch": torch.__version__, "transformers": transformers.__version__})
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        prompt_tokens = round(statistics.mean(len(tokenizer(r["prompt"])["input_ids"]) for r in records)
+                              * PROMPTS_PER_STEP)
+        floors[preset] = {length: {phase: gemm_seconds(gemms) for phase, gemms in
+                                   step_gemms(weights.config.to_dict(), prompt_tokens, length).items()}
+                          for length in args.lengths}
+    emit_result({"params": params, "gemm_floor": floors, "torch": torch.__version__,
+                 "transformers": transformers.__version__})
+
+
+def step_gemms(hf: dict, prompt_tokens: int, length: int) -> dict[str, list[tuple[int, int, int, int]]]:
+    """The matrix products of one step of this benchmark's work at their fewest, per phase, as
+    ``(count, m, k, n)`` (``count`` products of an [m, k] by a [k, n] matrix) for a dense model of
+    config ``hf``: generation prefills the step's ``prompt_tokens`` once and decodes the other
+    ``length - 1`` tokens of all completions together; the update runs the forward and both
+    backward products (input and weight gradients) over each prompt once per group and every
+    completion token, with the output layer only where a completion token is predicted."""
+    hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    head_dim = hf.get("head_dim") or hidden // hf["num_attention_heads"]
+    queries, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
+    linears = [(hidden, queries + 2 * kv), (queries, hidden), (hidden, 2 * hf["intermediate_size"]),
+               (hf["intermediate_size"], hidden)]
+    output_layer, rows = (hidden, hf["vocab_size"]), COMPLETIONS_PER_STEP
+    generate = [(layers, prompt_tokens, k, n) for k, n in linears] + [(1, PROMPTS_PER_STEP, *output_layer)]
+    generate += [(layers * (length - 1), rows, k, n) for k, n in linears] + [(length - 1, rows, *output_layer)]
+    update = []
+    for count, m, (k, n) in [(layers, prompt_tokens + rows * length, shape) for shape in linears] + \
+            [(1, rows * length, output_layer)]:
+        update += [(count, m, k, n), (count, m, n, k), (count, k, m, n)]
+    return {"generate": generate, "update": update}
+
+
+def gemm_seconds(gemms: list[tuple[int, int, int, int]], repeats: int = 5) -> float:
+    """Seconds ``gemms`` (``step_gemms``) take as plain fp32 ``torch.mm`` calls on this process's
+    threads, each shape timed alone (best of ``repeats``): a step that also does attention, norms,
+    activations, sampling and the optimizer cannot take less."""
+    import torch
+
+    total = 0.0
+    for count, m, k, n in gemms:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        total += count * best
+    return total
 
 
 def trl_side(args: argparse.Namespace) -> None:
@@ -432,7 +485,7 @@ def summarize_case(case: dict, frameworks: list[str]) -> None:
 
 def table(cases: list[dict]) -> str:
     head = (f"{'case':<24} {'framework':<9} {'s/step':>8} {'compl/s':>8} {'tok/s':>8} {'gen s':>7} "
-            f"{'update s':>8} {'other s':>7} {'peak GB':>7} {'speedup (range)':>18}")
+            f"{'update s':>8} {'other s':>7} {'x GEMM':>6} {'peak GB':>7} {'speedup (range)':>18}")
     lines = [head, "-" * len(head)]
     for case in cases:
         label = f"{case['preset']} L={case['length']}"
@@ -447,8 +500,11 @@ def table(cases: list[dict]) -> str:
                 lines.append(
                     f"{label:<24} {framework:<9} {r['step_s']:>8.3f} {r['completions_per_s']:>8.1f} "
                     f"{r['tokens_per_s']:>8.0f} {r['generate_s']:>7.3f} {r['update_s']:>8.3f} {r['other_s']:>7.3f} "
-                    f"{r['peak_gb']:>7.2f} {speedup:>18}")
+                    f"{r['step_s'] / case['gemm_floor']['step']:>6.2f} {r['peak_gb']:>7.2f} {speedup:>18}")
             label = ""
+        floor = case["gemm_floor"]
+        lines.append(f"{'':<24} {'GEMM floor':<9} {floor['step']:>8.3f} {'':>8} {'':>8} {floor['generate']:>7.3f} "
+                     f"{floor['update']:>8.3f}")
     return "\n".join(lines)
 
 
@@ -540,13 +596,16 @@ def main(argv=None) -> int:
         try:
             prepared = run_side("prepare", [sys.executable, str(Path(__file__).resolve()), "--side", "prepare",
                                             "--presets", ",".join(args.presets), "--workdir", str(workdir),
-                                            "--seed", str(args.seed), "--num-prompts", str(num_prompts)],
+                                            "--seed", str(args.seed), "--num-prompts", str(num_prompts),
+                                            "--lengths", ",".join(map(str, args.lengths))],
                                 workdir / "prepare.log", args.threads, args.timeout)
         except SideFailed as error:
             raise SystemExit(f"bench_rl: building the models and prompts failed: {error}") from None
         for preset in args.presets:
             for length in args.lengths:
-                case = {"preset": preset, "params": prepared["params"][preset], "length": length, "rounds": []}
+                floor = prepared["gemm_floor"][preset][str(length)]  # JSON keys are strings
+                case = {"preset": preset, "params": prepared["params"][preset], "length": length, "rounds": [],
+                        "gemm_floor": dict(floor, step=floor["generate"] + floor["update"])}
                 for index in range(args.rounds):
                     case["rounds"].append(run_round(args, workdir, case, index))
                 summarize_case(case, args.frameworks)
@@ -572,7 +631,9 @@ def main(argv=None) -> int:
     print()
     print(table(cases))
     print(f"speedup = TRL s/step / megarl s/step, the median over {args.rounds} round(s) (range: each round's); "
-          f"columns: medians over rounds of per-step medians; peak = process-tree PSS. "
+          f"columns: medians over rounds of per-step medians; x GEMM = s/step over the GEMM floor (the "
+          f"step's matrix products alone as plain torch.mm at their shapes, timed before the rounds: a "
+          f"physical bound); peak = process-tree PSS. "
           f"Load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end ({os.cpu_count()} CPUs).")
     print()
     print("Memory at each side's peak (PSS: a page shared by k processes counts 1/k in each):")
