@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """fp32 CPU GEMM throughput: ATen's default (MKL SGEMM, what ``F.linear`` uses) against oneDNN
-(:func:`parallel.cpu.linear.linear`, what megarl's CPU workers and engines use unless
-``MEGARL_CPU_LINEAR=aten``), on a Qwen2-shaped model's linear layers: forward, input gradient and
-weight gradient at a decode-sized and a training-sized token count. Prints GFLOP/s per shape and
-the time-weighted total, so a machine where MKL is the faster one is easy to spot.
+(:func:`parallel.cpu.linear.linear`), the two backends megarl's CPU workers and engines choose
+between (``MEGARL_CPU_LINEAR``, by default the faster one on this machine), on a Qwen2-shaped
+model's linear layers: forward, input gradient and weight gradient at a decode-sized and a
+training-sized token count. Prints GFLOP/s per shape, the time-weighted total, and what the
+automatic choice picked here.
 
     python tools/bench_cpu_gemm.py [--hidden 512 --ffn 1664 --heads 8 --kv-heads 4 --vocab 4096]
 """
@@ -11,6 +12,7 @@ the time-weighted total, so a machine where MKL is the faster one is easy to spo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
+    os.environ[cpu_linear.ENV_VAR] = "onednn"  # this tool times both, whatever the processes choose
+    cpu_linear.backend.cache_clear()
     if cpu_linear.backend() != "onednn":
-        print(f"oneDNN path unavailable ({cpu_linear.ENV_VAR}={cpu_linear.backend()} or no oneDNN "
-              f"in this torch build): nothing to compare")
+        print("no oneDNN in this torch build: nothing to compare")
         return 1
     qkv = (args.heads + 2 * args.kv_heads) * args.head_dim
     layers = {"qkv": (args.hidden, qkv), "o": (args.heads * args.head_dim, args.hidden),
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{flops / onednn / 1e9:7.1f} {aten / onednn:6.2f}x")
     print(f"all shapes, one call each: aten {totals['aten'] * 1e3:.1f} ms, onednn "
           f"{totals['onednn'] * 1e3:.1f} ms ({totals['aten'] / totals['onednn']:.2f}x)")
+    print(f"{cpu_linear.ENV_VAR}=auto takes {cpu_linear.measured_backend()} on this machine "
+          f"({cpu_linear.machine_key()}; kept in {cpu_linear.cache_dir() / cpu_linear.CACHE_FILE})")
     return 0
 
 

@@ -22,7 +22,7 @@ expert path computes a rank's own experts under expert parallelism (:func:`_patc
 buffers are not pinned without CUDA (:func:`_patch_host_pool_module`), the torch-native
 attention backend batches its attention (:mod:`megarl.rollout.batched_attention`), the sampler
 samples by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and fp32 CPU linears run
-through oneDNN (:mod:`parallel.cpu.linear`).
+through oneDNN or MKL, whichever is faster here (:mod:`parallel.cpu.linear`).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def install_scheduler_patch() -> None:
     CUDA (:func:`_patch_host_pool_module`), batch the torch-native backend's attention
     (:mod:`megarl.rollout.batched_attention`), sample
     by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and run fp32 CPU linears through
-    oneDNN (:mod:`parallel.cpu.linear`) in this process: now for a module
+    the faster of oneDNN and MKL (:mod:`parallel.cpu.linear`) in this process: now for a module
     imported already, otherwise right after its import. Run at interpreter start (before SGLang
     is imported) in every process of an engine by the ``sitecustomize`` in
     ``megarl/rollout/engine_site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.

@@ -31,10 +31,11 @@ Patches (name -> why):
   fused norms). Without the tag the norm grads are wrong, which the test checks.
 - ``onednn_linear``: megatron's linear layers (``linear_with_grad_accumulation_and_async_allreduce``
   and ``linear_with_frozen_weight``) run their fp32 forward and input-gradient GEMMs through
-  oneDNN (:class:`parallel.cpu.linear.LinearFunction`): 1.1-1.7x MKL's SGEMM on this machine, a
-  ~20% faster 20M-model update. Sequence parallelism, gradient-accumulation fusion and deferred
-  weight gradients keep megatron's own function; ``MEGARL_CPU_LINEAR=aten`` turns it off. Tested
-  in tests/parallel/cpu/test_linear.py (TP=1/2 against a float64 oracle).
+  oneDNN (:class:`parallel.cpu.linear.LinearFunction`) where it is faster than MKL's SGEMM on
+  this CPU (``parallel.cpu.linear.backend``: 1.1-1.7x on AVX-512 EPYCs, slower on AVX2 ones).
+  Sequence parallelism, gradient-accumulation fusion and deferred weight gradients keep
+  megatron's own function. Tested in tests/parallel/cpu/test_linear.py (TP=1/2 against a float64
+  oracle).
 - ``moe_without_te``: megatron-core 0.16's MoE router GEMM (``moe_utils.RouterGatingLinearFunction``)
   tests ``te_general_gemm is not None``, a name that only exists when Transformer Engine imports
   (a NameError without it); it is defined as None, which selects the function's own torch GEMM.

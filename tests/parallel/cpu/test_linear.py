@@ -2,7 +2,14 @@
 autograd, the oracle: the plain function, the autograd function (input, weight and bias
 gradients, frozen weights) and megatron's column/row-parallel layers at TP=1 and TP=2, where the
 column layer's input gradient must be all-reduced. (Whole models through it still match HF
-transformers: tests/megarl/workers, tests/megarl/rollout/test_engine.py.)"""
+transformers: tests/megarl/workers, tests/megarl/rollout/test_engine.py.) These force oneDNN
+(``MEGARL_CPU_LINEAR=onednn``), whichever backend this machine would choose; the automatic choice
+is tested at the end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +19,17 @@ from parallel.cpu import linear as cpu_linear
 from parallel.spawn import run_on_ranks
 from tests.parallel.cpu import rank_fns
 
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def onednn(monkeypatch):
+    """oneDNN in this process and in the ranks it starts (they inherit the environment)."""
+    monkeypatch.setenv(cpu_linear.ENV_VAR, "onednn")
+    cpu_linear.backend.cache_clear()
+    yield
+    cpu_linear.backend.cache_clear()  # the next reader takes the environment as restored
+
 
 def _operands(seed, *x_shape, out_features=48):
     g = torch.Generator().manual_seed(seed)
@@ -19,7 +37,7 @@ def _operands(seed, *x_shape, out_features=48):
     return x, torch.randn(out_features, x_shape[-1], generator=g) * 0.1, torch.randn(out_features, generator=g)
 
 
-def test_this_machine_takes_the_onednn_path():
+def test_the_onednn_path_takes_fp32_cpu_operands():
     x, weight, _ = _operands(0, 4, 8)
     assert cpu_linear.backend() == "onednn" and cpu_linear.applies(x, weight)
     assert not cpu_linear.applies(x.double(), weight.double())  # oneDNN has no fp64 matmul
@@ -106,3 +124,29 @@ def test_sglang_unquantized_linears_take_it(monkeypatch):
     torch.testing.assert_close(unquant.UnquantizedLinearMethod().apply(layer, x.double()),
                                F.linear(x.double(), weight.double()))
     assert len(calls) == 1
+
+
+def test_auto_times_both_once_per_machine_and_every_process_follows_what_it_wrote(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_linear.ENV_VAR, "auto")
+    monkeypatch.setenv(cpu_linear.CACHE_DIR_ENV_VAR, str(tmp_path))
+    cpu_linear.backend.cache_clear()
+    chosen = cpu_linear.backend()
+    path = tmp_path / cpu_linear.CACHE_FILE
+    entry = json.loads(path.read_text())[cpu_linear.machine_key()]
+    assert chosen == entry["backend"] == min(("onednn", "aten"), key=lambda name: entry[f"{name}_s"])
+    # Later readers take the written answer instead of timing again: they follow an edited one,
+    # in this process and in a fresh interpreter.
+    other = "aten" if chosen == "onednn" else "onednn"
+    path.write_text(json.dumps({cpu_linear.machine_key(): dict(entry, backend=other)}))
+    cpu_linear.backend.cache_clear()
+    assert cpu_linear.backend() == other
+    fresh = subprocess.run([sys.executable, "-c", "from parallel.cpu import linear; print(linear.backend())"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert fresh.stdout.strip() == other, fresh.stderr[-2000:]
+
+
+def test_a_misspelt_choice_is_refused_naming_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_VAR, "mkl")
+    cpu_linear.backend.cache_clear()
+    with pytest.raises(ValueError, match=r"MEGARL_CPU_LINEAR='mkl' is not one of \('auto', 'onednn', 'aten'\)"):
+        cpu_linear.backend()
