@@ -248,10 +248,10 @@ def make_shared_prompt_micro_batch(batch: dict, groups: list[list[int]], length:
     segments, labels = [], []  # (position, row, column, count) and the segment id of each
     starts = {}  # sample row -> where its sequence would start in the flattened outputs
     for g, group in enumerate(groups):
-        prefix = prompts[group[0]] - 1  # the prompt but its last token, once
-        needed = prefix + sum(lengths[row] - prefix for row in group)
+        needed = shared_prompt_row_length(batch, group)
         if needed > length:
             raise ValueError(f"prompt group {group} needs {needed} tokens, more than the row's {length}")
+        prefix = prompts[group[0]] - 1  # the prompt but its last token, once
         segments.append((g * length, group[0], 0, prefix))
         labels.append(PREFIX)
         cursor = prefix
