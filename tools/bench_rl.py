@@ -37,10 +37,11 @@ A round's speedup is TRL's s/step over megarl's (> 1: megarl is faster); a case 
 median of its rounds' speedups and their range, and per framework the median over rounds of each
 column.
 
-Each case also prints its GEMM floor: the seconds the step's matrix products take alone as plain
-``torch.mm`` calls at their shapes on the same threads (``step_gemms``: the prompts prefilled and
-trained once per group, every completion token decoded and trained), measured once before the
-rounds. No implementation of the step can be faster; "x GEMM" is each side's step over it.
+Each case also prints its GEMM floor: the seconds the step's matrix products take alone at their
+shapes (MKL or oneDNN, whichever is faster per shape) on the sides' threads (``step_gemms``: the
+prompts prefilled and trained once per group, every completion token decoded and trained),
+measured after each round on the sides' CPUs; the fastest measurement counts. No implementation
+of the step can be faster; "x GEMM" is each side's step over it.
 
 The machine's load average is printed with the table: another busy process makes 2-thread steps
 many times slower (docs/benchmarks.md); compare numbers only from a quiet machine.
@@ -108,7 +109,7 @@ def prepare_side(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"bench_rl: unknown preset(s) {unknown}; model_specs/presets.py has {sorted(ALL_PRESETS)}")
     workdir = Path(args.workdir)
-    params, floors = {}, {}
+    params, configs, prompt_tokens = {}, {}, {}
     records = synthetic_arith_records(args.num_prompts, seed=args.seed, partial_credit_scale=PARTIAL_CREDIT_SCALE)
     write_records(records, workdir / "arith.parquet")
     for preset in args.presets:
@@ -116,13 +117,11 @@ def prepare_side(args: argparse.Namespace) -> None:
         save_char_tokenizer(model_dir)
         weights = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
         params[preset] = sum(p.numel() for p in weights.parameters())
+        configs[preset] = weights.config.to_dict()
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-        prompt_tokens = round(statistics.mean(len(tokenizer(r["prompt"])["input_ids"]) for r in records)
-                              * PROMPTS_PER_STEP)
-        floors[preset] = {length: {phase: gemm_seconds(gemms) for phase, gemms in
-                                   step_gemms(weights.config.to_dict(), prompt_tokens, length).items()}
-                          for length in args.lengths}
-    emit_result({"params": params, "gemm_floor": floors, "torch": torch.__version__,
+        prompt_tokens[preset] = round(statistics.mean(len(tokenizer(r["prompt"])["input_ids"]) for r in records)
+                                      * PROMPTS_PER_STEP)
+    emit_result({"params": params, "configs": configs, "prompt_tokens": prompt_tokens, "torch": torch.__version__,
                  "transformers": transformers.__version__})
 
 
@@ -149,19 +148,25 @@ def step_gemms(hf: dict, prompt_tokens: int, length: int) -> dict[str, list[tupl
 
 
 def gemm_seconds(gemms: list[tuple[int, int, int, int]], repeats: int = 5) -> float:
-    """Seconds ``gemms`` (``step_gemms``) take as plain fp32 ``torch.mm`` calls on this process's
-    threads, each shape timed alone (best of ``repeats``): a step that also does attention, norms,
-    activations, sampling and the optimizer cannot take less."""
+    """Seconds ``gemms`` (``step_gemms``) take as plain fp32 matrix products on this process's
+    threads, each shape timed alone through MKL (``torch.mm``) and oneDNN (the two libraries
+    ``parallel.cpu.linear`` chooses from), the best of ``repeats`` calls of either: a step that
+    also does attention, norms, activations, sampling and the optimizer cannot take less."""
     import torch
 
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     total = 0.0
     for count, m, k, n in gemms:
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b, b_rows = torch.randn(m, k), torch.randn(k, n), torch.randn(n, k)
+        calls = [lambda: torch.mm(a, b)]
+        if onednn:
+            calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b_rows, None, "none", [], ""))
         best = float("inf")
         for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
+            for call in calls:
+                start = time.perf_counter()
+                call()
+                best = min(best, time.perf_counter() - start)
         total += count * best
     return total
 
@@ -459,7 +464,26 @@ def run_round(args, workdir: Path, case: dict, index: int) -> dict:
     if all("step_s" in results.get(f, {}) for f in FRAMEWORKS):
         results["speedup"] = results["trl"]["step_s"] / results["megarl"]["step_s"]
         log(f"round {index + 1}: speedup {results['speedup']:.2f}x")
+    results["gemm_floor"] = gemm_floor(args, case)
     return results
+
+
+def gemm_floor(args, case: dict) -> dict[str, float]:
+    """The case's GEMM floor per phase (``step_gemms`` timed by ``gemm_seconds``), measured here on
+    the sides' ``--threads`` CPUs right after a round. A bound is the fastest it was ever
+    measured, so the report takes each phase's minimum over the rounds: one slow spell of the
+    machine (15-20% within minutes here) would otherwise raise it."""
+    import torch
+
+    cpus, affinity, threads = sorted(os.sched_getaffinity(0))[:args.threads], os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(args.threads)
+    try:
+        return {phase: gemm_seconds(gemms) for phase, gemms in
+                step_gemms(case["config"], case["prompt_tokens"], case["length"]).items()}
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
 
 
 def summarize_case(case: dict, frameworks: list[str]) -> None:
@@ -477,6 +501,8 @@ def summarize_case(case: dict, frameworks: list[str]) -> None:
         case["results"][framework] = dict({key: statistics.median(r[key] for r in ok) for key in columns},
                                           peak_gb=peak_round["peak_gb"], peak_processes=peak_round["peak_processes"],
                                           rounds=len(ok))
+    floor = {phase: min(rnd["gemm_floor"][phase] for rnd in case["rounds"]) for phase in ("generate", "update")}
+    case["gemm_floor"] = dict(floor, step=floor["generate"] + floor["update"])
     speedups = [rnd["speedup"] for rnd in case["rounds"] if "speedup" in rnd]
     if speedups:
         case["speedups"] = speedups
@@ -596,16 +622,14 @@ def main(argv=None) -> int:
         try:
             prepared = run_side("prepare", [sys.executable, str(Path(__file__).resolve()), "--side", "prepare",
                                             "--presets", ",".join(args.presets), "--workdir", str(workdir),
-                                            "--seed", str(args.seed), "--num-prompts", str(num_prompts),
-                                            "--lengths", ",".join(map(str, args.lengths))],
+                                            "--seed", str(args.seed), "--num-prompts", str(num_prompts)],
                                 workdir / "prepare.log", args.threads, args.timeout)
         except SideFailed as error:
             raise SystemExit(f"bench_rl: building the models and prompts failed: {error}") from None
         for preset in args.presets:
             for length in args.lengths:
-                floor = prepared["gemm_floor"][preset][str(length)]  # JSON keys are strings
                 case = {"preset": preset, "params": prepared["params"][preset], "length": length, "rounds": [],
-                        "gemm_floor": dict(floor, step=floor["generate"] + floor["update"])}
+                        "config": prepared["configs"][preset], "prompt_tokens": prepared["prompt_tokens"][preset]}
                 for index in range(args.rounds):
                     case["rounds"].append(run_round(args, workdir, case, index))
                 summarize_case(case, args.frameworks)
@@ -632,7 +656,7 @@ def main(argv=None) -> int:
     print(table(cases))
     print(f"speedup = TRL s/step / megarl s/step, the median over {args.rounds} round(s) (range: each round's); "
           f"columns: medians over rounds of per-step medians; x GEMM = s/step over the GEMM floor (the "
-          f"step's matrix products alone as plain torch.mm at their shapes, timed before the rounds: a "
+          f"step's matrix products alone at their shapes, MKL or oneDNN, the fastest of the rounds: a "
           f"physical bound); peak = process-tree PSS. "
           f"Load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end ({os.cpu_count()} CPUs).")
     print()
