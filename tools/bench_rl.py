@@ -154,13 +154,14 @@ def gemm_seconds(gemms: list[tuple[int, int, int, int]], repeats: int = 5) -> fl
     also does attention, norms, activations, sampling and the optimizer cannot take less."""
     import torch
 
-    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    from parallel.cpu.linear import onednn_available, onednn_linear
+
     total = 0.0
     for count, m, k, n in gemms:
         a, b, b_rows = torch.randn(m, k), torch.randn(k, n), torch.randn(n, k)
         calls = [lambda: torch.mm(a, b)]
-        if onednn:
-            calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b_rows, None, "none", [], ""))
+        if onednn_available():
+            calls.append(lambda: onednn_linear(a, b_rows))
         best = float("inf")
         for _ in range(repeats):
             for call in calls:

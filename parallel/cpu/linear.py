@@ -49,9 +49,19 @@ def backend() -> str:
     if choice not in CHOICES:
         raise ValueError(f"{ENV_VAR}={choice!r} is not one of {CHOICES}: unset it (auto: the faster of the "
                          f"two on this CPU), or force oneDNN (onednn) or ATen's own MKL matmul (aten)")
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if not onednn_available():
         return "aten"
     return measured_backend() if choice == "auto" else choice
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's linear op."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a 2-D ``x`` through oneDNN's matmul, without autograd."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def cache_dir() -> Path:
@@ -75,7 +85,7 @@ def machine_key() -> str:
 
 def measured_backend() -> str:
     """The faster of oneDNN and ATen for fp32 linears on this machine: read from the cache
-    (:func:`cache_dir`), else timed (:func:`time_backends`, ~0.1 s) and written there under a file
+    (:func:`cache_dir`), else timed (:func:`time_backends`, 1-2 s) and written there under a file
     lock, so processes starting together wait for one measurement instead of each making their
     own (and perhaps choosing differently). Without a writable cache it is timed in-process."""
     key = machine_key()
@@ -111,8 +121,7 @@ def time_backends(repeats: int = 3) -> dict[str, float]:
     for tokens, fan_in, fan_out in _TIMED_SHAPES:
         weight = torch.randn(fan_out, fan_in)
         operands += [(torch.randn(tokens, fan_in), weight), (torch.randn(tokens, fan_out), weight.t())]
-    calls = {"onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-             "aten": F.linear}
+    calls = {"onednn": onednn_linear, "aten": F.linear}
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats + 1):  # the first round warms both up
         for name, call in calls.items():
@@ -139,7 +148,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     when :func:`applies`. Operands may be strided views (``weight.t()``): nothing is copied."""
     if not applies(x, weight):
         return F.linear(x, weight, bias)
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+    out = onednn_linear(x.reshape(-1, x.shape[-1]), weight, bias)
     # Not a view of the 2-D result (as torch.matmul's isn't): megatron's cross entropy modifies
     # its logits in place, which autograd forbids on a view made inside a custom Function.
     return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
