@@ -1,5 +1,5 @@
 # The body of the RL job scripts (grpo_llama70b.sbatch, ppo_llama70b.sbatch, grpo_qwen3_moe.sbatch):
-# sourced by them with SELF (the script), NAME, ROOT, DEFAULT_CONFIG and DEFAULT_GPU_MEMORY_GIB set
+# sourced by them with SELF (the script), NAME, ROOT and DEFAULT_CONFIG set
 # and the script's arguments; their headers document the knobs. --dry-run runs `megarl plan` and
 # prints the commands; inside a Slurm job it checks the allocation, the time limit and the plan,
 # then starts Ray on every node and `megarl train` (launch_scripts/ray_on_slurm.sh).
@@ -10,7 +10,9 @@ if [ -z "${MEGARL_VENV:-}${MEGARL_ACTIVATE:-}" ] && [ -d "$ROOT/.venv" ]; then e
 if [ -n "${MEGARL_VENV:-}" ]; then export VIRTUAL_ENV=$MEGARL_VENV PATH="$MEGARL_VENV/bin:$PATH"; fi
 eval "${MEGARL_ACTIVATE:-}"
 CONFIG=${MEGARL_CONFIG:-$DEFAULT_CONFIG}
-GPU_MEMORY_GIB=${GPU_MEMORY_GIB:-$DEFAULT_GPU_MEMORY_GIB}
+# The per-GPU memory budget: the config's cluster.gpu_memory_gib unless GPU_MEMORY_GIB overrides it.
+BUDGET=() BUDGET_TEXT="the config's cluster.gpu_memory_gib"
+if [ -n "${GPU_MEMORY_GIB:-}" ]; then BUDGET=(--gpu-memory-gib "$GPU_MEMORY_GIB") BUDGET_TEXT="$GPU_MEMORY_GIB GiB (GPU_MEMORY_GIB)"; fi
 # The allocation: Slurm's when in a job, else this script's own #SBATCH defaults.
 sbatch_default() { sed -n "s/^#SBATCH --$1=\([0-9]*\).*/\1/p" "$SELF" | head -1; }
 NODES=${SLURM_JOB_NUM_NODES:-${MEGARL_NODES:-$(sbatch_default nodes)}}
@@ -19,12 +21,12 @@ GPUS=${GPUS##*:}  # "h100:8" -> 8
 
 OVERRIDES=("$@")
 if [ -n "${MODEL_PATH:-}" ]; then OVERRIDES=("model.path=$MODEL_PATH" "${OVERRIDES[@]}"); fi
-PLAN=(megarl plan "$CONFIG" "${OVERRIDES[@]}" --gpu-memory-gib "$GPU_MEMORY_GIB"
+PLAN=(megarl plan "$CONFIG" "${OVERRIDES[@]}" "${BUDGET[@]}"
       --slurm-nodes "$NODES" --slurm-gpus-per-node "$GPUS")
 TRAIN=(bash launch_scripts/ray_on_slurm.sh megarl train "$CONFIG" "${OVERRIDES[@]}")
 
 if [ "$DRY_RUN" = 1 ]; then
-  echo "== dry run: $NAME: $NODES nodes x $GPUS GPUs, budget $GPU_MEMORY_GIB GiB per GPU"
+  echo "== dry run: $NAME: $NODES nodes x $GPUS GPUs, per-GPU budget $BUDGET_TEXT"
   status=0
   "${PLAN[@]}" || status=$?
   echo "== the job would run (in $ROOT, on the first node of the allocation):"

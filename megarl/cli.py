@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help=_plan.__doc__.splitlines()[0], description=_plan.__doc__)
     plan.add_argument("config", help="run config YAML (e.g. configs/llama3_70b_grpo_32x8.yaml)")
     plan.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for train")
-    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per-GPU memory budget (default 80)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=None,
+                      help="per-GPU memory budget in GiB (default: the config's cluster.gpu_memory_gib)")
     plan.add_argument("--recompute", choices=["none", "full"], default="none", help="activation recompute assumed")
     plan.add_argument("--check-files", action="store_true", help="also require the data files to exist here")
     plan.add_argument("--slurm-nodes", type=int, default=None, help="the allocation's node count, checked against cluster.nodes")

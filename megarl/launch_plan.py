@@ -5,9 +5,9 @@ states per role (actor, reference, critic, reward model, rollout) its pool, worl
 size, the core attention its Megatron model will build (``parallel.models.core_attention_kind``,
 the choice ``parallel.models.transformer_layer_spec`` makes), and the per-GPU memory
 (``parallel.memory``) of each role and of each pool over the phases of a step, against a
-per-GPU budget, with a verdict. The sbatch scripts in ``launch_scripts/`` run it first (and
-only it, with ``--dry-run``), so a layout that cannot work or memory that cannot fit fails on a
-laptop rather than after the queue.
+per-GPU budget (``cluster.gpu_memory_gib``, or ``--gpu-memory-gib``), with a verdict. The sbatch
+scripts in ``launch_scripts/`` run it first (and only it, with ``--dry-run``), so a layout that
+cannot work or memory that cannot fit fails on a laptop rather than after the queue.
 
 Phases of a pool (what is on a GPU at the same time):
 
@@ -17,7 +17,7 @@ Phases of a pool (what is on a GPU at the same time):
 * generate: resident + SGLang's static reservation (colocated rollout).
 * <role> update / forward: resident + that role's activations (and logits) + SGLang's
   reservation. The trainer asks colocated engines to release their memory while Megatron
-  trains (``Trainer.engines_hold_memory``), but that is not yet tested on GPUs, so the plan
+  trains (``RolloutManager.hold_memory``), but that is not yet tested on GPUs, so the plan
   still counts it (conservative).
 * plus ``parallel.memory.RUNTIME_RESERVE_BYTES`` (CUDA context, NCCL, fragmentation) everywhere.
 
@@ -125,15 +125,16 @@ def _micro_batching(cfg: RunConfig, role: str, dp: int, seq: int) -> tuple[int, 
     return mbs * seq, micro, f"{mbs} x {seq} tokens, {micro} micro-batches/step/rank"
 
 
-def plan_run(cfg: RunConfig, gpu_memory_gib: float = 80.0, recompute: str = "none") -> LaunchPlan:
-    """The launch plan of a validated config (``megarl.config.load_config``)."""
+def plan_run(cfg: RunConfig, gpu_memory_gib: float | None = None, recompute: str = "none") -> LaunchPlan:
+    """The launch plan of a validated config (``megarl.config.load_config``) against GPUs of
+    ``gpu_memory_gib`` GiB (None: the config's ``cluster.gpu_memory_gib``)."""
     from megarl.config.validate import model_hf_config
     from parallel.models import core_attention_kind, default_layer_spec
 
     hf = model_hf_config(cfg.model.path)
     dtype = cfg.model.dtype
     layer_spec = default_layer_spec(hf)  # what a build on this machine uses: TE where it imports
-    budget = int(gpu_memory_gib * GiB)
+    budget = int((cfg.cluster.gpu_memory_gib if gpu_memory_gib is None else gpu_memory_gib) * GiB)
     seq = cfg.data.max_prompt_length + cfg.max_response_length
     roles: list[RolePlan] = []
     problems: list[str] = []

@@ -451,6 +451,10 @@ class ClusterConfig(_Section):
     # Resource pools: name -> ranks (a pool larger than a node spans whole nodes). Empty = one
     # pool "global" with every rank.
     pools: dict[str, Int] = field(default_factory=dict)
+    # Memory of one GPU in GiB, the budget `megarl plan` checks each rank against: 80 for an H100
+    # (configs/cluster/h100.yaml), 141 for an H200 (configs/cluster/h200.yaml).
+    gpu_memory_gib: Float = bounded(80.0, gt=0, problem="the memory of a GPU must be > 0 GiB",
+                                    fix="use 80 (H100) or 141 (H200)")
 
     @property
     def device(self) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megarl.config import CONFIGS_DIR, load_config
@@ -40,7 +42,15 @@ COMPOSITIONS = {
     "cluster/local-cpu-4.yaml": [_QUICK, "cluster/local-cpu-4"],
     "cluster/gpu-32x8.yaml": [_70B, "cluster/gpu-32x8"],
     "cluster/gpu-32x8-split.yaml": [_70B, "cluster/gpu-32x8-split"],
+    "cluster/h100.yaml": [_30B_MOE, "cluster/h100"],  # (an H200 config moved to H100s)
+    "cluster/h200.yaml": [_70B, "cluster/h200"],
 }
+GPU_PRESETS = ("cluster/h100.yaml", "cluster/h200.yaml")  # the GPU's memory, not the cluster's geometry
+
+
+def _geometry(config) -> dict:
+    """The cluster section without the GPU's memory (which cluster/h100 and cluster/h200 set)."""
+    return {k: v for k, v in dataclasses.asdict(config.cluster).items() if k != "gpu_memory_gib"}
 
 
 def _all_yaml() -> list[str]:
@@ -63,10 +73,12 @@ def test_preset_loads_and_validates(name, tmp_path, data_file):
     config = load_config(path, [f"data.train_files=[{data_file}]"], search_path=[CONFIGS_DIR], mode=mode)
     # The preset's own values are in the result (it was not shadowed by the composition).
     own = load_config(CONFIGS_DIR / name, validate=False)
-    if name.startswith(("layout/", "model/", "cluster/")):
+    if name in GPU_PRESETS:
+        assert config.cluster.gpu_memory_gib == own.cluster.gpu_memory_gib  # changed by it (141 <-> 80)
+    elif name.startswith(("layout/", "model/", "cluster/")):
         section = name.split("/")[0]
         pick = {"layout": lambda c: (c.actor.layout, c.rollout.tp), "model": lambda c: c.model,
-                "cluster": lambda c: (c.cluster, c.actor.pool, c.rollout.placement)}[section]
+                "cluster": lambda c: (_geometry(c), c.actor.pool, c.rollout.placement)}[section]
         assert pick(config) == pick(own)
     elif name.startswith("algorithm/"):
         assert (config.algorithm, config.actor.policy_loss, config.actor.kl_loss, config.ref.enabled) == (
