@@ -545,6 +545,14 @@ class RunConfig(_Section):
         return (["actor"] + (["ref"] if self.needs_reference else []) + (["critic"] if self.critic.enabled else [])
                 + (["reward_model"] if self.reward_model.enabled else []))
 
+    def megatron_pools(self) -> dict[str, list[str]]:
+        """Resource pool -> the Megatron roles its ranks run (one torch.distributed group per pool,
+        roles in setup order); the actor's pool first."""
+        pools: dict[str, list[str]] = {}
+        for role in self.megatron_roles:
+            pools.setdefault(self.pool_for(role), []).append(role)
+        return pools
+
     def world_size_for(self, role: str) -> int:
         """Ranks in the role's pool (KeyError if the pool is not declared)."""
         return self.cluster.pool_sizes()[self.pool_for(role)]

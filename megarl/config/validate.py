@@ -18,6 +18,9 @@ all problems are collected and raised together as one ``ConfigError``. What is c
 * cross-section needs: GAE needs a critic, a KL term needs the reference, group-based
   estimators and dynamic sampling need rollout.n >= 2, prompt + response fit the model's
   positions;
+* valid settings a run does not implement yet: two layouts on one pool, an engine spanning nodes
+  or sharing ranks with a Megatron role on a separate pool (``_not_implemented_checks``), dynamic
+  sampling with generation ahead of training;
 * files: data files and a resume checkpoint exist (``check_files=False`` skips this).
 """
 
@@ -407,6 +410,32 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
                 p.add("rollout.ep", r.ep, *expert_problem)
 
 
+def _not_implemented_checks(cfg: RunConfig, p: _Problems) -> None:
+    """Valid settings a run does not implement yet, each with what to set instead. Roles that
+    share a pool share its processes (``RunConfig.megatron_pools``) and therefore one layout; SGLang
+    engines run colocated with the actor or on a pool of their own, each engine within one node."""
+    r = cfg.rollout
+    per_node = cfg.cluster.ranks_per_node
+    if r.placement == "separate" and per_node >= 1 and r.tp > per_node:
+        p.add("rollout.tp", r.tp, f"an engine spanning nodes ({per_node} ranks each) on a separate pool is not "
+              "implemented yet", f"use rollout.tp <= {per_node}")
+    for pool, roles in cfg.megatron_pools().items():
+        first = roles[0]
+        for role in roles[1:]:
+            layout, first_layout = cfg.layout_for(role), cfg.layout_for(first)
+            if layout == first_layout:
+                continue
+            own = getattr(cfg, role).layout
+            p.add(f"{role}.layout", None if own is None else str(own),
+                  ("" if own is not None else f"(the actor's layout, {layout}) ") + f"differs from the {first}'s "
+                  f"layout ({first_layout}) on the same pool {pool!r}, but roles sharing a pool share its processes "
+                  "and so one layout", f"give the {role} a pool of its own ({role}.pool) or the {first}'s layout"
+                  + (f" ({role}.layout=null)" if first_layout == cfg.actor.layout else ""))
+        if r.placement == "separate" and pool == r.pool and pool != cfg.actor.pool:  # the actor's: _resource_checks
+            p.add("rollout.pool", pool, f"is also the {'/'.join(roles)}'s pool, but engines on a separate pool need "
+                  "its ranks to themselves (sharing them is not implemented yet)", "give them a pool no Megatron role uses")
+
+
 # What megarl.trainer.Trainer.advantages passes an advantage estimator (registry.ADVANTAGE_INPUTS
 # lists what estimators may declare; remax's greedy baseline and PRIME's process rewards are not
 # computed by a run).
@@ -437,6 +466,9 @@ def _algorithm_checks(cfg: RunConfig, p: _Problems) -> None:
     if cfg.algorithm.dynamic_sampling.enabled and cfg.rollout.n == 1:
         p.add("rollout.n", cfg.rollout.n, "algorithm.dynamic_sampling drops groups whose samples all score the same, "
               "so groups of 1 are always dropped", "use rollout.n >= 2, or disable dynamic sampling")
+    if cfg.algorithm.dynamic_sampling.enabled and cfg.rollout.mode != "sync":
+        p.add("algorithm.dynamic_sampling.enabled", True, f"dynamic sampling is not implemented with generation ahead "
+              f"of training (rollout.mode={cfg.rollout.mode})", "use rollout.mode=sync, or disable dynamic sampling")
     needs_ref = [k for k, on in (("actor.kl_loss.enabled", cfg.actor.kl_loss.enabled),
                                  ("algorithm.kl_penalty.enabled", cfg.algorithm.kl_penalty.enabled)) if on]
     if needs_ref and not cfg.ref.enabled:
@@ -551,6 +583,7 @@ def validate_config(cfg: RunConfig, *, check_files: bool = True, mode: str = "rl
     if not any(line.startswith(_SIZE_KEYS) for line in p.lines):
         _resource_checks(cfg, p, hf_config, critic_hf, reward_hf)
     _cross_checks(cfg, p, hf_config, rl=mode == "rl")
+    _not_implemented_checks(cfg, p)
     _multi_turn_checks(cfg, p)
     if check_files:
         _file_checks(cfg, p)

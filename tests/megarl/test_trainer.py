@@ -421,6 +421,6 @@ def test_broken_config_and_missing_data_fail_before_ray(prompts, tmp_path):
     assert code == 2 and "missing.parquet" in output, output
     assert "ray" not in output.lower()
     code, output = _run(_overrides(prompts, tmp_path / "c", **{"ref.layout.pp": 2}), timeout_s=120)
-    assert code == 2 and "ref.layout (tp=1 pp=2 cp=1) differs from the actor's" in output, output
+    assert code == 2 and 'ref.layout="tp=1 pp=2 cp=1": differs from the actor\'s layout' in output, output
     assert "give the ref a pool of its own" in output, output
     assert "ray" not in output.lower()
