@@ -75,14 +75,15 @@ def _run_trainer(args: argparse.Namespace, command: str) -> int:
         for line in error.problems:
             print(f"megarl {command}: config error: {line}", file=sys.stderr)
         return 2
-    from megarl.sft import SFTTrainer
-    from megarl.trainer import RunError, Trainer
+    from megarl.controller.rl import RLTrainer
+    from megarl.controller.sft import SFTTrainer
+    from megarl.controller.worker_group import RunError
 
     save_resolved(config, config.trainer.output_dir)
     trainer = None
     try:
         try:
-            trainer = (SFTTrainer if command == "sft" else Trainer)(config)
+            trainer = (SFTTrainer if command == "sft" else RLTrainer)(config)
         except ValueError as error:  # the data (a bad row, a chat template): named in the message
             raise RunError(str(error)) from error
         history = trainer.fit()

@@ -5,18 +5,18 @@ the named (1-based) step.
 
 - ``kill_engine@k`` SIGKILLs the processes of engine 0 just before step k's generation asks it for
   samples, as a crash would: the run must restart the engine, resync it and retry its requests
-  (``Trainer.generate``).
+  (``RolloutManager.kill_engine``).
 - ``checkpoint_enospc@k`` makes step k's checkpoint save fail with ENOSPC after the workers wrote
   their shards, as a full disk would: nothing of it may remain, the previous checkpoints must, and
-  the run stops saying so (``Trainer.save_checkpoint``).
+  the run stops saying so (``RunCheckpointer.save``).
 - ``kill_driver_during_save@k`` SIGKILLs the driver during step k's checkpoint save, after the
   workers wrote their shards: the checkpoint stays a hidden partial directory; the next run
   resumes from the newest complete checkpoint, drops the killed run's metrics of later steps and
-  replaces the partial directory at its own save of step k (``Trainer.save_checkpoint``).
+  replaces the partial directory at its own save of step k (``RunCheckpointer.save``).
 - ``kill_megatron_worker@k`` SIGKILLs the actor's last Megatron rank as step k's update begins
   (the kill is queued on the worker ahead of its update call), while the other ranks start the
   update and wait for it in a collective: the run must stop at once naming the rank and the phase,
-  with the last complete checkpoint intact and named (``Trainer.update``, ``gather``).
+  with the last complete checkpoint intact and named (``WorkerGroup.kill_rank``, ``gather``).
 - ``kill_reward_worker@k`` SIGKILLs the reward worker process about to score step k's first
   sample, as a crash would: that sample scores 0 and counts in ``reward/num_errors``, a new worker
   takes over and the run goes on (``RewardRunner``). Only for rewards that run in worker

@@ -163,7 +163,7 @@ def summarize_metrics(rows: list[dict], warmup: int, ranks: int, peak_tflops_per
 def sync_plan_bytes(config) -> dict:
     """The resharding plans' bytes per sync (what ``sync/bytes`` should be, and its network part)."""
     from megarl.config.validate import model_hf_config
-    from megarl.trainer import weight_sync_rounds
+    from megarl.controller.rollout_manager import weight_sync_rounds
 
     plans = [plan for _, plan in weight_sync_rounds(config, model_hf_config(config.model.path))]
     return {"network_bytes": sum(p.network_bytes for p in plans), "local_bytes": sum(p.local_bytes for p in plans),

@@ -1,4 +1,4 @@
-"""A phase never hangs silently: ``megarl.trainer.gather`` over real Ray actors names the worker
+"""A phase never hangs silently: ``megarl.controller.worker_group.gather`` over real Ray actors names the worker
 that did not answer within the deadline, or that died, and the phase."""
 
 import os
@@ -7,7 +7,7 @@ import time
 import pytest
 import ray
 
-from megarl.trainer import RunError, gather
+from megarl.controller.worker_group import RunError, gather
 
 
 class Rank:

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from megarl.config.loader import load_config
-from megarl.trainer import RunError, config_fingerprint, resume_changes
+from megarl.controller.checkpointer import config_fingerprint, resume_changes
+from megarl.controller.worker_group import RunError
 
 ROOT = Path(__file__).resolve().parents[2]
 
