@@ -5,12 +5,12 @@ dict ``model_specs`` reads) and a layout (anything with ``tp pp vpp cp sequence_
 use_distributed_optimizer`` attributes: ``parallel.layout.MegatronLayout`` or the run config's
 ``LayoutConfig``). Numbers are bytes on the busiest rank. What is assumed, and why:
 
-Parameters (exact, megatron's local GPT spec = the HF model's tensors):
-  per layer  q h*nh*d, k and v h*nkv*d each, o nh*d*h, gate/up/down 3*h*f, two RMSNorms 2h,
-             plus qkv bias (nh+2nkv)*d (Qwen2) and q/k norms 2d (Qwen3);
-             an MoE layer (Qwen3-MoE, Mixtral) has instead of gate/up/down a router E*h and
-             E experts of 3*h*f_e (f_e the experts' intermediate size);
-  once       embedding V*h, final norm h, untied output layer V*h.
+Parameters (exact, megatron's local GPT spec = the HF model's tensors): counted per tensor by
+``model_specs.arithmetic`` (``parameter_counts``: per layer attention q h*nh*d, k and v h*nkv*d
+each, o nh*d*h, gate/up/down 3*h*f, two RMSNorms 2h, plus qkv bias (nh+2nkv)*d (Qwen2) and q/k
+norms 2d (Qwen3); an MoE layer (Qwen3-MoE, Mixtral) has instead of gate/up/down a router E*h and
+E experts of 3*h*f_e; once embedding V*h, final norm h, untied output layer V*h), which
+``ModelShape`` groups by how a rank holds them.
   On a Megatron rank: linear weights / tp, norms and the router replicated, experts / (ep*etp)
   (E/ep whole experts, each split over etp), the vocab padded to a multiple of
   128*tp (megatron's padding) and split over tp; layers / pp per pipeline rank (VPP only
@@ -75,7 +75,10 @@ allocator fragmentation.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from model_specs.arithmetic import LayerParameters, ModelParameters
 
 GiB = 1 << 30
 # CUDA context (~0.5 GiB), NCCL communicators and buffers, allocator fragmentation: a flat
@@ -104,25 +107,32 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied: bool
+    counts: ModelParameters  # model_specs.arithmetic's per-tensor counts
     qkv_bias: bool = False
-    qk_norm: bool = False
     experts: int = 0  # MoE: routed experts per layer (every layer; 0: dense)
     topk: int = 0  # experts per token
     expert_ffn: int = 0  # an expert's intermediate size
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelShape":
-        from model_specs import family_for, num_experts
+        from model_specs import family_for
+        from model_specs.arithmetic import parameter_counts
 
-        family = family_for(hf)
+        family = family_for(hf)  # a built family: every layer alike (validation refuses anything else)
+        counts = parameter_counts(hf)
+        layer = counts.layers[0]
         heads = hf["num_attention_heads"]
-        moe = {} if family.moe is None else dict(experts=num_experts(hf), topk=hf["num_experts_per_tok"],
+        moe = {} if family.moe is None else dict(experts=layer.experts, topk=layer.topk,
                                                  expert_ffn=hf[family.moe.ffn_field])
         return cls(hidden=hf["hidden_size"], ffn=hf["intermediate_size"], layers=hf["num_hidden_layers"],
                    heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
                    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab=hf["vocab_size"],
-                   tied=bool(hf.get("tie_word_embeddings", False)), qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
-                   **moe)
+                   tied=bool(hf.get("tie_word_embeddings", False)), counts=counts, qkv_bias=family.qkv_bias, **moe)
+
+    @property
+    def layer(self) -> LayerParameters:
+        """One decoder layer's parameters (all layers are alike)."""
+        return self.counts.layers[0]
 
     @property
     def q_dim(self) -> int:
@@ -133,30 +143,25 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     def layer_split_params(self) -> int:
-        """Parameters of one layer that tensor parallelism splits (linear weights, qkv bias; the
-        dense MLP, which an MoE layer does not have)."""
-        h = self.hidden
-        split = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + (0 if self.experts else 3 * h * self.ffn)
-        return split + ((self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0)
+        """Parameters of one layer that tensor parallelism splits (attention's weights and biases;
+        the dense MLP, which an MoE layer does not have; shared experts, which no built family has)."""
+        return self.layer.attention + self.layer.biases + self.layer.mlp + self.layer.shared_experts
 
     def layer_replicated_params(self) -> int:
         """Parameters of one layer every TP rank holds whole (the norms, an MoE layer's router)."""
-        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0) + self.experts * self.hidden
+        return self.layer.norms + self.layer.router
 
     def layer_expert_params(self) -> int:
         """An MoE layer's experts (split over ep*etp ranks); 0 for a dense model."""
-        return self.experts * 3 * self.hidden * self.expert_ffn
+        return self.layer.routed
 
     def total_params(self) -> int:
         """Every parameter of the HF model (no padding), the number HF's ``numel`` reports."""
-        per_layer = self.layer_split_params() + self.layer_replicated_params() + self.layer_expert_params()
-        return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        return self.counts.total
 
     def active_params(self) -> int:
         """Parameters a token passes through: all but the experts it is not routed to."""
-        unrouted = self.experts - self.topk
-        return self.total_params() - self.layers * (self.layer_expert_params() // self.experts * unrouted
-                                                    if self.experts else 0)
+        return self.counts.active
 
     def activation_elements_per_token(self, tp: int, sequence_parallel: bool, etp: int = 1) -> float:
         """Elements one layer saves for its backward per token on one TP rank (see module doc)."""
