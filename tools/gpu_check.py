@@ -99,14 +99,12 @@ def _sync() -> None:
 
 
 def training_flops_per_token(hf: dict, seq: int) -> float:
-    """Model FLOPs per trained token: 6 x matmul parameters (forward + backward) plus attention
-    scores and values (12 * layers * hidden * seq, the usual non-causal count as in the PaLM MFU)."""
-    h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
-    head_dim = hf.get("head_dim") or h // hf["num_attention_heads"]
-    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * hf["intermediate_size"]
-    matmul_params = layers * per_layer + h * vocab  # the output layer is a matmul; the embedding is a lookup
-    return 6 * matmul_params + 12 * layers * h * seq
+    """Model FLOPs per trained token: 6 x active matmul weights (forward + backward; the output
+    layer is a matmul, the embedding a lookup: ``model_specs.arithmetic``) plus attention scores
+    and values (12 * layers * hidden * seq, the usual non-causal count as in the PaLM MFU)."""
+    from model_specs.arithmetic import parameter_counts
+
+    return 6 * parameter_counts(hf).active_matmul + 12 * hf["num_hidden_layers"] * hf["hidden_size"] * seq
 
 
 def training(spec: str, preset: str, seq: int, micro_batch: int, micro_batches: int, steps: int, warmup: int) -> dict:
