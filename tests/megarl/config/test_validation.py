@@ -224,7 +224,8 @@ def test_group_estimators_need_several_samples(problems):
 def test_shared_prompts_need_padded_rows_and_no_context_parallelism(problems, data_file):
     line = _one(problems("actor.shared_prompts=true", "actor.sequence_packing=true"))
     assert line.startswith("actor.shared_prompts=true: shared-prompt rows and sequence_packing are two different")
-    line = _one(problems("actor.shared_prompts=true", "ref.layout={tp: 1, pp: 1, cp: 2}"))
+    line = _one(problems("actor.shared_prompts=true", "ref.layout={tp: 1, pp: 1, cp: 2}", "ref.pool=b", "actor.pool=a",
+                         "cluster.cpu_ranks_per_node=4", "cluster.pools={a: 2, b: 2}"))  # (a layout of its own: a pool too)
     assert line.startswith("actor.shared_prompts=true: shared-prompt rows need context parallelism 1, but the ref's "
                            "layout has cp=2")
     load_config(QUICKSTART, [f"data.train_files=[{data_file}]", *SMALL_BATCH, "actor.shared_prompts=true"])
