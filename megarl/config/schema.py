@@ -263,7 +263,6 @@ class MultiTurnConfig(_Section):
 class RolloutConfig(_Section):
     """Generation: the engine, its tensor parallelism and placement, and sampling parameters."""
 
-    engine: Literal["sglang"] = "sglang"
     placement: Literal["colocated", "separate"] = "colocated"
     pool: str | None = None  # the rollout's own pool when placement is separate
     tp: Int = bounded(1, ge=1, fix="use 1 or a divisor of the model's heads")
@@ -376,7 +375,6 @@ class DataConfig(_Section):
     """Prompt files and how rows become prompts (``megarl.data.PromptDataset``)."""
 
     train_files: _PromptFiles = _prompt_files()  # at least one for a run: validate
-    val_files: _PromptFiles = _prompt_files()
     prompt_key: str = bounded("prompt", min_length=1, problem="must not be empty", fix="use \"prompt\"")
     ground_truth_key: str | None = "reward_model.ground_truth"
     data_source_key: str = "data_source"

@@ -515,13 +515,12 @@ def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, rl: bool
 
 
 def _file_checks(cfg: RunConfig, p: _Problems) -> None:
-    for k in ("train_files", "val_files"):
-        for i, f in enumerate(getattr(cfg.data, k)):
-            path = Path(f).expanduser()
-            if not path.is_file():
-                where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
-                p.add(f"data.{k}[{i}]", f, f"the file does not exist{where}",
-                      "fix the path, or write it with tools/prepare_data.py")
+    for i, f in enumerate(cfg.data.train_files):
+        path = Path(f).expanduser()
+        if not path.is_file():
+            where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+            p.add(f"data.train_files[{i}]", f, f"the file does not exist{where}",
+                  "fix the path, or write it with tools/prepare_data.py")
     resume = cfg.trainer.resume
     if resume not in ("auto", "none") and not Path(resume).expanduser().exists():
         p.add("trainer.resume", resume, "is neither auto, none nor an existing checkpoint path",

@@ -34,7 +34,7 @@ def test_dataclass_defaults_are_a_valid_tiny_run(data_file):
     ("actor.temperature=0.7", "actor.temperature: unknown key", "did you mean rollout.temperature?"),
     ("algorithm.advantag=gae", "algorithm.advantag: unknown key", "did you mean algorithm.advantage?"),
     ("acter.ppo_epochs=2", "acter: unknown key", "did you mean actor?"),
-    ("rollout.frobnicate=1", "rollout.frobnicate: unknown key", "valid keys under rollout: engine, placement"),
+    ("rollout.frobnicate=1", "rollout.frobnicate: unknown key", "valid keys under rollout: placement, pool"),
 ])
 def test_unknown_keys_suggest_the_closest(problems, override, start, hint):
     line = _one(problems(override))
@@ -268,10 +268,10 @@ def test_model_path_preset_or_directory(problems, tmp_path, data_file):
 
 
 def test_missing_files(problems, data_file):
-    lines = problems("data.train_files=[/no/such/train.parquet]", "data.val_files=[/no/such/val.jsonl]",
+    lines = problems("data.train_files=[/no/such/train.parquet, /no/such/more.jsonl]",
                      "trainer.resume=/no/such/checkpoint")
     assert [line.split(":")[0] for line in lines] == [
-        'data.train_files[0]="/no/such/train.parquet"', 'data.val_files[0]="/no/such/val.jsonl"',
+        'data.train_files[0]="/no/such/train.parquet"', 'data.train_files[1]="/no/such/more.jsonl"',
         'trainer.resume="/no/such/checkpoint"']
     assert "the file does not exist" in lines[0]
     # check_files=False is for machines without the data: the same config then passes.
