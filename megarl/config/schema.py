@@ -481,7 +481,8 @@ ROLES = MEGATRON_ROLES + ("rollout",)
 class RunConfig(_Section):
     """One RL run, top to bottom. ``megarl.config.load_config`` builds and validates one."""
 
-    # Modules imported before validation (they may register advantages, policy losses, rewards).
+    # Modules imported before validation (they may register advantages, policy losses, rewards),
+    # and in every Megatron worker (a policy loss runs there).
     imports: Annotated[list[str], BeforeValidator(_one_item_list)] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)

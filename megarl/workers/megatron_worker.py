@@ -56,6 +56,10 @@ class ModelSpec:
     # An MoE model's routers replay the batch's ``routed_experts`` (the rollout engine's choices)
     # instead of their own top-k (``parallel.modules.routing_replay``)
     routing_replay: bool = False
+    # The run config's ``imports``: modules imported in the worker before the model is built, so
+    # that the policy losses they register exist in this process too (the driver imported them
+    # when it validated the config)
+    imports: tuple[str, ...] = ()
 
 
 def learning_rate(optim, step: int, total_steps: int) -> float:
@@ -141,6 +145,8 @@ class MegatronWorker:
 
     def setup(self, spec: ModelSpec, seed: int) -> dict:
         """Build ``spec.role``'s model from ``spec.hf_dir`` (and its optimizer when trained)."""
+        import importlib
+
         from megatron.core import parallel_state
 
         from megarl.training import build_optimizer, wrap_ddp
@@ -152,6 +158,8 @@ class MegatronWorker:
 
         if spec.role not in MEGATRON_ROLES:
             raise ValueError(f"unknown role {spec.role!r}; roles: {list(MEGATRON_ROLES)}")
+        for module in spec.imports:
+            importlib.import_module(module)
         if self.layout is None:
             initialize_megatron(spec.layout, seed=seed)
             self.layout, self.seed = spec.layout, seed
