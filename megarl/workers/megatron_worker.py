@@ -442,73 +442,40 @@ class MegatronWorker:
     def save_checkpoint(self, directory: str) -> None:
         """Collective: every trained model's weights and optimizer state as Megatron distributed
         checkpoints (loadable at any layout) under ``directory/<role>`` and
-        ``directory/optimizer/<role>``, and this rank's optimizer step counts and RNG states under
-        ``directory/rank_states/<group>/rank<r>.pt``. Frozen models (the reference) are not saved: a
-        resumed run rebuilds them from their initial weights."""
-        import random
+        ``directory/optimizer/<role>``, and this rank's optimizer step counts and RNG states
+        (``megarl.workers.rank_state``). Frozen models (the reference) are not saved: a resumed run
+        rebuilds them from their initial weights."""
         from pathlib import Path
 
-        from megatron.core import tensor_parallel
-
-        from parallel.checkpoint.atomic import atomic_file
+        from megarl.workers.rank_state import rank_state_file, save_rank_state
         from parallel.checkpoint.dist_ckpt import save_megatron_checkpoint, save_optimizer_checkpoint
 
         for role, model in self.models.items():
             if model.optimizer is not None:
                 save_megatron_checkpoint(model.chunks, Path(directory) / role, model.hf_config, model.spec.layout)
                 save_optimizer_checkpoint(model.optimizer, model.chunks, Path(directory) / "optimizer" / role)
-        state = {
-            "layout": dataclasses.asdict(self.layout), "world_size": self.world_size,
-            "optimizer_steps": {role: m.optimizer_steps for role, m in self.models.items()},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state(),
-                    "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()},
-        }
-        with atomic_file(self._rank_state_file(directory, self.rank)) as temporary:
-            torch.save(state, temporary)
+        save_rank_state(rank_state_file(directory, self.group, self.rank), self.layout, self.world_size,
+                        {role: m.optimizer_steps for role, m in self.models.items()})
         torch.distributed.barrier()
 
     def load_checkpoint(self, directory: str) -> bool:
         """Collective: restore what ``save_checkpoint`` wrote, at the layout and world size it was
         saved at or at others (elastic resume): weights and optimizer states reshard through the
-        distributed checkpoints, step counts are global. RNG states are per rank: restored when the
-        layout and world size are the saved ones, else re-seeded from (seed, optimizer steps, rank).
-        Returns whether they were restored (the resume is then exact)."""
-        import random
+        distributed checkpoints, step counts are global, RNG states are restored or re-seeded
+        (``megarl.workers.rank_state.restore_rng``). Returns whether they were restored (the resume
+        is then exact)."""
         from pathlib import Path
 
-        import numpy as np
-        from megatron.core import tensor_parallel
-
+        from megarl.workers.rank_state import load_rank_state, restore_rng
         from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, load_optimizer_checkpoint
 
-        mine = self._rank_state_file(directory, self.rank)
-        saved = mine if mine.is_file() else self._rank_state_file(directory, 0)  # fewer ranks saved it
-        if not saved.is_file():
-            raise FileNotFoundError(f"{saved} is missing: checkpoint {directory} holds no rank states of pool "
-                                    f"{self.group!r}; resume with the pools it was saved with, or start a new run "
-                                    "from its weights (convert the checkpoint to HF with `megarl convert`)")
-        # weights_only: a checkpoint is data, never code (tensors, numbers, strings and containers)
-        state = torch.load(saved, weights_only=True)
+        state = load_rank_state(directory, self.group, self.rank)
         for role, model in self.models.items():
             if model.optimizer is not None:
                 load_megatron_checkpoint(model.chunks, Path(directory) / role)
                 load_optimizer_checkpoint(model.optimizer, model.chunks, Path(directory) / "optimizer" / role)
             model.optimizer_steps = state["optimizer_steps"][role]
-        same_layout = state["layout"] == dataclasses.asdict(self.layout) and state["world_size"] == self.world_size
-        if same_layout:
-            torch.set_rng_state(state["rng"]["torch"])
-            random.setstate(state["rng"]["python"])
-            name, keys, *rest = state["rng"]["numpy"]
-            np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-            tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["megatron"])
-        else:
-            _reseed(self.seed, max(state["optimizer_steps"].values(), default=0), self.rank)
-        return same_layout
-
-    def _rank_state_file(self, directory: str, rank: int):
-        from pathlib import Path
-
-        return Path(directory) / "rank_states" / self.group / f"rank{rank}.pt"
+        return restore_rng(state, self.layout, self.world_size, self.seed, self.rank)
 
     def export_hf(self, target: str) -> None:
         """Collective: the actor's weights as an HF checkpoint at ``target`` (atomic)."""
@@ -524,31 +491,6 @@ class MegatronWorker:
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _numpy_rng_state() -> tuple:
-    """numpy's global RNG state with its key array as a torch tensor, so that the rank state file
-    loads with ``torch.load(weights_only=True)`` (which refuses numpy arrays)."""
-    import numpy as np
-
-    name, keys, *rest = np.random.get_state()
-    return (name, torch.from_numpy(keys.astype(np.int64)), *rest)
-
-
-def _reseed(seed: int, steps: int, rank: int) -> None:
-    """Seed torch, python, numpy and megatron's model-parallel RNGs from (seed, steps, rank): the
-    RNG streams of a rank resumed at another layout, deterministic but not an uninterrupted run's."""
-    import hashlib
-    import random
-
-    import numpy as np
-    from megatron.core import tensor_parallel
-
-    derived = int.from_bytes(hashlib.sha256(f"{seed}/{steps}/{rank}".encode()).digest()[:4], "little") >> 1
-    torch.manual_seed(derived)
-    random.seed(derived)
-    np.random.seed(derived)
-    tensor_parallel.model_parallel_cuda_manual_seed(derived)
 
 
 def _reduce_weighted(collected: list[dict]) -> dict[str, float]:
