@@ -4,6 +4,8 @@ RL step makes, and whether the actor recomputes the pre-update log-probs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from megarl.config.schema import RunConfig
 
 
@@ -43,7 +45,8 @@ def model_specs(cfg: RunConfig, model_dir: str) -> list:
         specs.append(ModelSpec("reward_model", rm.model_path, cfg.layout_for("reward_model").to_megatron(),
                                MicroBatching(rm.micro_batch_size, packed=packed, shared_prompts=shared),
                                dtype=cfg.model.dtype))
-    return specs
+    imports = tuple(cfg.imports)  # what registers the losses a worker runs, imported there too
+    return [dataclasses.replace(spec, imports=imports) for spec in specs]
 
 
 def minibatches_per_step(cfg: RunConfig, mini_batch_size: int | None) -> int:
