@@ -38,11 +38,8 @@ EXCLUDED_DIR = "megarl/config"
 ROOT_SECTION = "RunConfig"
 ROOT_NAMES = ("cfg", "config")  # what the run calls its RunConfig
 
-# Keys being wired into the run right now (issue 38); delete this constant when they are read. DAPO's
-# two sections; and ``imports``, read only by validation (which imports the modules in the driver):
-# megarl/controller/model_roles.py is to pass ``imports=tuple(cfg.imports)`` to every ModelSpec, so
-# that the Megatron workers import them too (a policy loss a module registers runs there).
-PENDING_WIRING = ("algorithm.dynamic_sampling.", "algorithm.overlong_penalty.", "imports")
+# Keys being wired into the run right now (issue 38, DAPO); delete this constant when they are read.
+PENDING_WIRING = ("algorithm.dynamic_sampling.", "algorithm.overlong_penalty.")
 
 
 @dataclasses.dataclass
