@@ -31,7 +31,8 @@ def dapo_run(arith_prompts, tmp_path_factory):
     # a response ends after its first digit: lengths 1..MAX_NEW, so the penalty takes every value
     save_char_tokenizer(out / "tokenizer")
     digits = load_tokenizer(str(out / "tokenizer")).convert_tokens_to_ids(list("0123456789"))
-    settings = {"rollout.stop_token_ids": f"[{','.join(map(str, digits))}]", "trainer.total_steps": 3, "trainer.save_every": 0, "trainer.save_rollouts_every": 1,
+    settings = {"rollout.stop_token_ids": f"[{','.join(map(str, digits))}]",
+                "trainer.total_steps": 3, "trainer.save_every": 0, "trainer.save_rollouts_every": 1,
                 "data.batch_size": BATCH, "rollout.n": N, "rollout.max_new_tokens": MAX_NEW,
                 "actor.micro_batch_size": 8, "ref.micro_batch_size": 8,
                 "algorithm.dynamic_sampling.enabled": "true", "algorithm.dynamic_sampling.max_rounds": ROUNDS,
