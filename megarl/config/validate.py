@@ -436,7 +436,7 @@ def _not_implemented_checks(cfg: RunConfig, p: _Problems) -> None:
                   "its ranks to themselves (sharing them is not implemented yet)", "give them a pool no Megatron role uses")
 
 
-# What megarl.trainer.Trainer.advantages passes an advantage estimator (registry.ADVANTAGE_INPUTS
+# What megarl.controller.rl.RLTrainer.advantages passes an advantage estimator (registry.ADVANTAGE_INPUTS
 # lists what estimators may declare; remax's greedy baseline and PRIME's process rewards are not
 # computed by a run).
 RUN_ADVANTAGE_INPUTS = ("index", "values", "gamma", "lam", "norm_by_std")

@@ -22,7 +22,7 @@ from megarl.controller.dynamic_sampling import GroupFiller
 from megarl.controller.model_roles import recomputes_old_logp
 from megarl.controller.rollout_manager import RolloutManager
 from megarl.controller.run import Run
-from megarl.controller.step_metrics import PhaseTimer, batch_tokens, rl_step_metrics, train_tflops_per_s
+from megarl.controller.step_metrics import PhaseTimer, rl_step_metrics, train_tflops_per_s
 
 
 class RLTrainer:
@@ -135,8 +135,7 @@ class RLTrainer:
             self.rollout.hold_memory(True)
             metrics.update(self.rollout.sync_weights(self.step + 1))
         metrics.update(rl_step_metrics(batch, scores, reward_stats, self.step, time.perf_counter() - start))
-        metrics["perf/train_tflops_per_s"] = train_tflops_per_s(self.run.hf_config, batch_tokens(batch),
-                                                                metrics["time/update_s"])
+        metrics["perf/train_tflops_per_s"] = train_tflops_per_s(self.run.hf_config, batch, metrics["time/update_s"])
         return metrics
 
     def score(self, batch: dict) -> tuple[torch.Tensor, dict]:

@@ -66,6 +66,6 @@ class SFTTrainer:
         ended = time.perf_counter()
         tokens = batch_tokens(batch)
         metrics.update({"time/step_s": ended - start, "throughput/tokens_per_s": tokens / (ended - start),
-                        "perf/train_tflops_per_s": train_tflops_per_s(self.run.hf_config, tokens, ended - update_start),
+                        "perf/train_tflops_per_s": train_tflops_per_s(self.run.hf_config, batch, ended - update_start),
                         "sft/trained_tokens": float(batch["loss_mask"].sum())})
         return metrics

@@ -61,9 +61,10 @@ def batch_tokens(batch: dict) -> float:
     return float((batch["prompt_lengths"] + batch["response_lengths"]).sum())
 
 
-def train_tflops_per_s(hf_config: dict, tokens: float, update_s: float) -> float:
-    """Training TFLOP/s of an update over ``tokens`` tokens: forward and backward, 3x the forward
-    FLOPs (matmuls of the parameters a token activates)."""
-    from model_specs.arithmetic import forward_flops_per_token
+def train_tflops_per_s(hf_config: dict, batch: dict, update_s: float) -> float:
+    """Training TFLOP/s of an update on ``batch``: forward and backward, 3x the forward FLOPs of its
+    rows (the matmuls of the parameters each token activates, and causal attention)."""
+    from model_specs.arithmetic import forward_flops
 
-    return 3 * forward_flops_per_token(hf_config) * tokens / update_s / 1e12
+    lengths = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
+    return 3 * forward_flops(hf_config, lengths) / update_s / 1e12
