@@ -19,7 +19,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megarl*", "model_specs*", "parallel*"]),
     # A directory put on the engine processes' PYTHONPATH, not a package: find_packages skips it.
-    package_data={"megarl.rollout": ["engine_site/sitecustomize.py"]},
+    package_data={"megarl.rollout.sglang": ["engine_site/sitecustomize.py"]},
     install_requires=requirements("base.txt"),
     extras_require={
         # On CPU, sglang must be installed with --no-deps (ci/setup_env.sh does it); on GPU

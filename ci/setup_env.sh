@@ -17,7 +17,7 @@ pip_install torch==2.13.0
 step "runtime stack (requirements/base.txt)"
 pip_install -r "$ROOT/requirements/base.txt"
 # sglang pins torch==2.14.1 and the CUDA stack (xgrammar pulls a 1 GB triton): --no-deps, then
-# its pure-Python needs by name. parallel/cpu/sglang_stubs stands in for the CUDA-only modules.
+# its pure-Python needs by name. megarl/rollout/sglang/cpu/stubs.py stands in for the CUDA-only modules.
 step "sglang without its CUDA dependency tree"
 pip_install --no-deps -r "$ROOT/requirements/sglang-nodeps.txt"
 pip_install -r "$ROOT/requirements/sglang-deps.txt"

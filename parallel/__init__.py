@@ -9,8 +9,7 @@ Layers inside (imports point downwards only; ``tests/test_architecture.py`` enfo
 - ``layout``       a Megatron layout: validation and process groups
 - ``modules/``     torch modules and functions used inside a forward: attention variants, packing,
                    vocab-parallel log-probs, the value head
-- ``cpu/``         what exists only because there is no GPU: megatron-core patches, CPU
-                   linears (oneDNN or MKL), SGLang import stubs
+- ``cpu/``         megatron-core on a CPU: its patches, CPU linears (oneDNN or MKL)
 
 Beside them, on no layer of their own: ``memory`` (closed-form memory per GPU), ``preflight``
 (a multi-node allocation check) and ``spawn`` (N local torch.distributed ranks).

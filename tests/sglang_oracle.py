@@ -103,7 +103,7 @@ def _cache_key(hf_dir: str | os.PathLike, tp_size: int, ep_size: int = 1) -> tup
 
 
 def _run_oracle(requests: list[tuple[str, int, int]]) -> list[list[dict[str, torch.Tensor]]]:
-    from megarl.rollout.engine import child_env
+    from megarl.rollout.sglang.engine import child_env
 
     env = child_env()
     env.pop("SGLANG_USE_CPU_ENGINE", None)  # the GPU path's layout, see the module docstring
@@ -197,7 +197,7 @@ def _build_rank(hf_dir: str, tp_size: int, ep_size: int, rank: int, hf: dict[str
 
 
 def _main(out: str, requests: list[tuple[str, int, int]]) -> None:
-    from parallel.cpu.sglang_stubs import install
+    from megarl.rollout.sglang.cpu.stubs import install
 
     install()
     _install_vllm_placeholder()

@@ -265,7 +265,7 @@ class SideFailed(RuntimeError):
 def process_label(proc) -> str:
     """What a process is, for the memory breakdown: a Ray worker's or SGLang process's title
     (``ray::MegatronWorker``, ``sglang::scheduler``), a Python process's script or ``-c`` code
-    (``python monitor.py``, ``python -c from megarl.rollout.engine_process ...``), else its
+    (``python monitor.py``, ``python -c from megarl.rollout.sglang.engine_process ...``), else its
     executable's name (``gcs_server``)."""
     argv = proc.cmdline() or [proc.name()]
     title = argv[0]

@@ -290,7 +290,7 @@ class RolloutManager:
         generation (generation ahead of training: the sync would write other weights than the batch's)."""
         import ray
 
-        from megarl.rollout.engine import EngineDiedError
+        from megarl.rollout.sglang.engine import EngineDiedError
 
         def ask(e: int):
             return self.engines[e].generate.remote(inputs[e], params[e], seeds[e], self.cfg.actor.routing_replay)

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from megarl.rollout.engine import SGLangEngine
+from megarl.rollout.sglang.engine import SGLangEngine
+from megarl.rollout.sglang.transport import staged_tensors
 from megarl.rollout.weight_sync import shards_from_transport, sync_weights
-from parallel.reshard.transport import staged_tensors
 
 
 class RolloutWorker:

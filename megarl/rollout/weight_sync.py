@@ -7,6 +7,11 @@ SGLang TP rank holds it, computed inside the engine's schedulers by SGLang's wei
 equal the checksum of the buffer the trainer computed for it. A mismatch fails loudly with the
 rank and the parameter. ``logprob_probe`` is the second, end-to-end probe: the engine's log-probs
 of a fixed completion against the trainer's.
+
+The trainer's side of a sync: it runs in the process that owns the engine handle, not in SGLang's,
+and reaches the engine only through the handle's methods (:mod:`megarl.rollout.sglang.engine`).
+``weight_checksum`` is defined next to the patch that makes SGLang's weight checker use it
+(:mod:`megarl.rollout.sglang.patches`) and imported here.
 """
 
 from __future__ import annotations
@@ -17,24 +22,12 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megarl.rollout.engine import SGLangEngine
+from megarl.rollout.sglang.engine import SGLangEngine
+from megarl.rollout.sglang.patches import weight_checksum
 
 
 class WeightSyncError(RuntimeError):
     """The engine does not hold what the trainer sent (names the rank and the parameter)."""
-
-
-def weight_checksum(tensor) -> str:
-    """The parity probe's checksum of one tensor: :func:`parallel.checkpoint.hf_io.tensor_checksum` with
-    xxh3-128. The trainer hashes what it sends with it, and SGLang's weight checker hashes what
-    each engine rank holds with it (:func:`megarl.rollout.sglang_patches.install_scheduler_patch`
-    puts it in place of the checker's own hash, a sha256 on CPU: 88 MB took 84 ms there against
-    12 ms here, on each side of every sync)."""
-    import xxhash
-
-    from parallel.checkpoint.hf_io import tensor_checksum
-
-    return tensor_checksum(tensor, xxhash.xxh3_128)
 
 
 def shard_checksums(per_rank: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, str]]:

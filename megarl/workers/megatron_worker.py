@@ -409,9 +409,9 @@ class MegatronWorker:
         schedulers copy straight out of it, with no Ray object and no second staging copy."""
         import torch.distributed as dist
 
+        from megarl.rollout.sglang.transport import SharedMemoryStaging
         from megarl.rollout.weight_sync import shards_for_transport
         from parallel.reshard.plan import execute_plan
-        from parallel.reshard.transport import SharedMemoryStaging
 
         device = dist.get_rank()
         for known in self._sync_plans:  # the trainer sends the same plans at every sync

@@ -14,8 +14,8 @@ results differ only by summation order (~1e-6 relative).
 computes the same bits; ``onednn`` or ``aten`` (ATen's default, MKL) force one.
 
 Used by the Megatron workers' linear layers (``parallel.cpu.compat``'s ``onednn_linear`` patch:
-forward and input gradient) and by the CPU SGLang engine's unquantized linears
-(:func:`patch_sglang_unquant_module`).
+forward and input gradient); a CPU SGLang engine routes its unquantized linears here too
+(``megarl.rollout.sglang.cpu.linear``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ ENV_VAR = "MEGARL_CPU_LINEAR"
 CHOICES = ("auto", "onednn", "aten")
 CACHE_DIR_ENV_VAR = "MEGARL_CACHE_DIR"
 CACHE_FILE = "cpu_linear.json"
-SGLANG_UNQUANT_MODULE = "sglang.srt.layers.quantization.unquant"
 # (tokens, in, out) of the timed linears: a 20M model's attention and MLP projections.
 _TIMED_SHAPES = ((1024, 512, 1536), (1024, 1664, 512), (1024, 512, 3328))
 
@@ -185,21 +184,3 @@ class LinearFunction(torch.autograd.Function):
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None
 
-
-def patch_sglang_unquant_module(module) -> None:
-    """Route SGLang's ``UnquantizedLinearMethod.apply`` (every unquantized linear of its models)
-    through :func:`linear` for fp32 CPU operands; other devices, dtypes and its AMX-packed weights
-    keep SGLang's own path. Idempotent."""
-    method = getattr(module, "UnquantizedLinearMethod", None)
-    if method is None or getattr(method.apply, "_megarl_cpu_linear", False):
-        return
-    original = method.apply
-    amx = getattr(module, "use_intel_amx_backend", lambda layer: False)
-
-    def apply(self, layer, x, bias=None):
-        if applies(x, layer.weight) and not amx(layer):
-            return linear(x, layer.weight, bias)
-        return original(self, layer, x, bias)
-
-    apply._megarl_cpu_linear = True
-    method.apply = apply

@@ -29,7 +29,7 @@ def parameter_pointers(engine, prefix: str) -> list[dict[str, int]]:
     ``custom_weight_loader=[PROBE]`` (runs one no-op weight-update session)."""
     import torch
 
-    from parallel.reshard.transport import serialize_rank_tensors
+    from megarl.rollout.sglang.transport import serialize_rank_tensors
 
     payloads = [serialize_rank_tensors({prefix: torch.zeros(1)}) for _ in range(engine.tp_size)]
     with engine.weight_update():

@@ -1,4 +1,4 @@
-"""The batched torch-native attention (megarl/rollout/batched_attention.py) against SGLang's own
+"""The batched torch-native attention (megarl/rollout/sglang/cpu/batched_attention.py) against SGLang's own
 per-sequence loops, the oracle: same outputs for prefill with cached prefixes and for decode, with
 grouped-query attention, in one SDPA call or cut into many groups. (That engines using it still
 generate HF's tokens and log-probs is tests/megarl/rollout/test_engine.py.)"""
@@ -6,12 +6,12 @@ generate HF's tokens and log-probs is tests/megarl/rollout/test_engine.py.)"""
 import pytest
 import torch
 
-import megarl.rollout.batched_attention as batched
+import megarl.rollout.sglang.cpu.batched_attention as batched
 
 
 @pytest.fixture(scope="module")
 def backend():
-    from parallel.cpu.sglang_stubs import install
+    from megarl.rollout.sglang.cpu.stubs import install
 
     install()  # SGLang imports CUDA-only modules (triton, ...): the CPU stubs stand in
     from sglang.srt.layers.attention import torch_native_backend

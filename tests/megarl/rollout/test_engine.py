@@ -1,7 +1,7 @@
 """The real SGLang engine on CPU: greedy output equals HF transformers', token for token, also
 after a direct per-rank weight update.
 
-Engines run in their own process group (megarl.rollout.SGLangEngine), so a crashing engine is a
+Engines run in their own process group (megarl.rollout.sglang.engine.SGLangEngine), so a crashing engine is a
 failing test, never a dead pytest. One engine runs at a time (module-scoped, parametrised fixture).
 """
 
@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.rollout import EngineDiedError, EngineTimeoutError, SGLangEngine, weight_checksum
-from megarl.rollout.engine import child_env
+from megarl.rollout.sglang.engine import child_env
+from megarl.rollout.sglang.transport import SharedMemoryStaging, serialize_rank_tensors, staged_tensors
 from model_specs.presets import PRESETS
-from parallel.reshard.transport import SharedMemoryStaging, serialize_rank_tensors, staged_tensors
 from tests.megarl.rollout import sglang_probe
 from tests.processes import live, live_descendants
 from tests.sglang_oracle import sglang_all_rank_parameters, sglang_oracle_batch
@@ -88,7 +88,7 @@ def test_sgl_kernel_stub_raises_when_called():
         from sgl_kernel.scalar_type import scalar_types
         from torchvision.transforms import InterpolationMode
         import torchvision.transforms.v2.functional
-        from parallel.cpu.sglang_stubs import StubCalledError, is_stub
+        from megarl.rollout.sglang.cpu.stubs import StubCalledError, is_stub
         assert is_stub(sys.modules["sgl_kernel"]) and is_stub(sys.modules["torchvision"])
         assert InterpolationMode.NEAREST_EXACT == InterpolationMode.NEAREST_EXACT
         scalar_types.uint4b8  # attribute chains resolve at import time
@@ -126,7 +126,7 @@ def test_triton_stub_lets_sglang_import():
         import sys
         import sglang.srt.entrypoints.engine, sglang.srt.models.llama, sglang.srt.models.qwen2
         import sglang.srt.layers.attention.torch_native_backend
-        from parallel.cpu.sglang_stubs import is_stub
+        from megarl.rollout.sglang.cpu.stubs import is_stub
         import triton
         assert is_stub(triton), triton
         try:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megarl.rollout import SGLangEngine
-from megarl.rollout.engine import SITE_DIR
 from megarl.rollout.engine_worker import engine_shares, prefill_shared_prompts
+from megarl.rollout.sglang.engine import SITE_DIR
 from model_specs.presets import PRESETS
 
 SEED = 1234
@@ -169,7 +169,7 @@ def test_sitecustomize_runs_the_one_it_shadows(tmp_path):
 def test_reseed_error_names_the_missing_patch():
     """Without the scheduler patch the RPC fails; the message says what is missing (engine-side
     helper driven with a stand-in for collective_rpc)."""
-    from megarl.rollout import engine_process
+    from megarl.rollout.sglang import engine_process
 
     class NoPatch:
         def collective_rpc(self, method, **kwargs):

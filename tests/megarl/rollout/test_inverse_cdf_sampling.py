@@ -1,4 +1,4 @@
-"""Inverse-CDF sampling (megarl/rollout/inverse_cdf_sampling.py) against the distribution it samples:
+"""Inverse-CDF sampling (megarl/rollout/sglang/cpu/inverse_cdf_sampling.py) against the distribution it samples:
 empirical frequencies of many draws equal the (normalized) probabilities within 5 standard
 errors, zero-probability tokens are never drawn, and a uniform number that rounds up to the row's
 total still yields a token of positive probability. That a running engine samples with it is in
@@ -7,7 +7,7 @@ tests/megarl/rollout/test_engine_seed.py (frequencies against HF transformers' s
 import pytest
 import torch
 
-import megarl.rollout.inverse_cdf_sampling as sampling
+import megarl.rollout.sglang.cpu.inverse_cdf_sampling as sampling
 
 DRAWS = 200_000
 
@@ -43,7 +43,7 @@ def test_a_uniform_number_at_the_total_takes_the_last_possible_token(monkeypatch
 
 
 def test_patch_replaces_sglangs_plain_sampler_only(monkeypatch):
-    from parallel.cpu.sglang_stubs import install
+    from megarl.rollout.sglang.cpu.stubs import install
 
     install()  # SGLang imports CUDA-only modules (triton, ...): the CPU stubs stand in
     import importlib

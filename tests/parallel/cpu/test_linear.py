@@ -2,7 +2,8 @@
 autograd, the oracle: the plain function, the autograd function (input, weight and bias
 gradients, frozen weights) and megatron's column/row-parallel layers at TP=1 and TP=2, where the
 column layer's input gradient must be all-reduced. (Whole models through it still match HF
-transformers: tests/megarl/workers, tests/megarl/rollout/test_engine.py.) These force oneDNN
+transformers: tests/megarl/workers, tests/megarl/rollout/test_engine.py; SGLang's linears through it:
+tests/megarl/rollout/test_cpu_linear.py.) These force oneDNN
 (``MEGARL_CPU_LINEAR=onednn``), whichever backend this machine would choose; the automatic choice
 is tested at the end."""
 
@@ -101,29 +102,6 @@ def test_megatron_parallel_linears_take_it_and_equal_the_dense_oracle(tp, frozen
         else:
             torch.testing.assert_close(got["col_weight_grad"].double(), leaves[1].grad[mine], **close)
             torch.testing.assert_close(got["col_bias_grad"].double(), leaves[2].grad[mine], **close)
-
-
-def test_sglang_unquantized_linears_take_it(monkeypatch):
-    from parallel.cpu.sglang_stubs import install
-
-    install()  # SGLang imports CUDA-only modules (triton, ...): the CPU stubs stand in
-    from sglang.srt.layers.quantization import unquant
-
-    cpu_linear.patch_sglang_unquant_module(unquant)
-    cpu_linear.patch_sglang_unquant_module(unquant)  # idempotent: one wrapper, not two
-    calls = []
-    monkeypatch.setattr(cpu_linear, "linear", lambda *a: calls.append(a) or F.linear(*a))
-    x, weight, bias = _operands(7, 9, 64)
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
-    got = unquant.UnquantizedLinearMethod().apply(layer, x, bias)
-    assert len(calls) == 1
-    torch.testing.assert_close(got.double(), F.linear(x.double(), weight.double(), bias.double()),
-                               rtol=1e-5, atol=1e-5)
-    layer.weight = torch.nn.Parameter(weight.double(), requires_grad=False)  # fp64: SGLang's own path
-    torch.testing.assert_close(unquant.UnquantizedLinearMethod().apply(layer, x.double()),
-                               F.linear(x.double(), weight.double()))
-    assert len(calls) == 1
 
 
 def test_auto_times_both_once_per_machine_and_every_process_follows_what_it_wrote(monkeypatch, tmp_path):

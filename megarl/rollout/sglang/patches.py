@@ -2,7 +2,7 @@
 
 They run in SGLang's scheduler processes (and, inert, in every other process of the engine), put
 in place at interpreter start, before SGLang is imported, by the ``sitecustomize`` in
-``megarl/rollout/engine_site`` (:data:`megarl.rollout.engine.SITE_DIR`) when
+``megarl/rollout/sglang/engine_site`` (:data:`megarl.rollout.sglang.engine.SITE_DIR`) when
 ``MEGARL_SGLANG_SCHEDULER_PATCH=1``: SGLang spawns its schedulers, so a patch made in the engine
 handle's process would not reach them. Each patch waits for its module's import
 (:class:`_PostImportPatch`) and imports nothing of SGLang itself.
@@ -11,18 +11,18 @@ Reproducible sampling: SGLang samples with each scheduler's global RNGs (torch, 
 ``random``/numpy), seeded only once at startup; its per-request ``sampling_seed`` needs
 ``enable_deterministic_inference``, which the CPU path cannot use. So a ``megarl_reseed`` method
 is added to SGLang's ``Scheduler`` class (:func:`_scheduler_reseed`), which
-:meth:`megarl.rollout.engine.SGLangEngine.reseed` calls on every rank with SGLang's
+:meth:`megarl.rollout.sglang.engine.SGLangEngine.reseed` calls on every rank with SGLang's
 ``Engine.collective_rpc``: every scheduler (TP rank) gets the sampling state of a freshly started
 engine whose ``random_seed`` is the given seed, so a resumed run (new engine) samples the same
 tokens as an uninterrupted one.
 
-The other patches: SGLang's weight checker hashes with
-:func:`megarl.rollout.weight_sync.weight_checksum` (what the trainer computes), the torch-native
+The other patches: SGLang's weight checker hashes with :func:`weight_checksum` (what the
+trainer computes for what it sends), the torch-native
 expert path computes a rank's own experts under expert parallelism (:func:`_patch_moe_native_module`), host
 buffers are not pinned without CUDA (:func:`_patch_host_pool_module`), the torch-native
-attention backend batches its attention (:mod:`megarl.rollout.batched_attention`), the sampler
-samples by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and fp32 CPU linears run
-through oneDNN or MKL, whichever is faster here (:mod:`parallel.cpu.linear`).
+attention backend batches its attention (:mod:`megarl.rollout.sglang.cpu.batched_attention`), the
+sampler samples by inverse CDF (:mod:`megarl.rollout.sglang.cpu.inverse_cdf_sampling`) and fp32 CPU
+linears run through oneDNN or MKL, whichever is faster here (:mod:`megarl.rollout.sglang.cpu.linear`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-
-from megarl.rollout.weight_sync import weight_checksum
 
 RESEED_RPC = "megarl_reseed"  # the Scheduler method SGLangEngine.reseed() calls on every rank
 _SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
@@ -43,7 +41,7 @@ RESEED_BUSY = "megarl_reseed: scheduler not idle"  # in the error of a scheduler
 
 def _scheduler_reseed(self, seed: int) -> None:
     """``Scheduler.megarl_reseed``: the sampling state of a fresh engine with ``random_seed=seed``
-    (see :meth:`megarl.rollout.engine.SGLangEngine.reseed`). Refuses while requests run."""
+    (see :meth:`megarl.rollout.sglang.engine.SGLangEngine.reseed`). Refuses while requests run."""
     from sglang.srt.utils.common import set_random_seed
 
     # False while requests are queued or running; then nothing changed. empty_cache=False: on CPU
@@ -65,9 +63,21 @@ def _patch_scheduler_module(module) -> None:
     setattr(scheduler, RESEED_RPC, _scheduler_reseed)
 
 
+def weight_checksum(tensor) -> str:
+    """The parity probe's checksum of one tensor: :func:`parallel.checkpoint.hf_io.tensor_checksum` with
+    xxh3-128. The trainer hashes what it sends with it (:mod:`megarl.rollout.weight_sync`), and
+    SGLang's weight checker hashes what each engine rank holds with it (:func:`install_scheduler_patch`
+    puts it in place of the checker's own hash, a sha256 on CPU: 88 MB took 84 ms there against
+    12 ms here, on each side of every sync)."""
+    import xxhash
+
+    from parallel.checkpoint.hf_io import tensor_checksum
+
+    return tensor_checksum(tensor, xxhash.xxh3_128)
+
+
 def _patch_weight_checker_module(module) -> None:
-    """SGLang's weight checker hashes with :func:`megarl.rollout.weight_sync.weight_checksum` (what
-    the trainer computes)."""
+    """SGLang's weight checker hashes with :func:`weight_checksum` (what the trainer computes)."""
     if not hasattr(module, "_hash_tensor"):  # a future SGLang renamed it: every parity probe fails, loudly
         print(f"megarl: {module.__name__} has no _hash_tensor; weight checksums left as SGLang computes them",
               file=sys.stderr, flush=True)
@@ -160,20 +170,20 @@ def install_scheduler_patch() -> None:
     hash with :func:`weight_checksum` in SGLang's weight checker, keep the torch-native expert path to
     a rank's own experts (:func:`_patch_moe_native_module`), allocate host buffers unpinned without
     CUDA (:func:`_patch_host_pool_module`), batch the torch-native backend's attention
-    (:mod:`megarl.rollout.batched_attention`), sample
-    by inverse CDF (:mod:`megarl.rollout.inverse_cdf_sampling`) and run fp32 CPU linears through
-    the faster of oneDNN and MKL (:mod:`parallel.cpu.linear`) in this process: now for a module
-    imported already, otherwise right after its import. Run at interpreter start (before SGLang
+    (:mod:`megarl.rollout.sglang.cpu.batched_attention`), sample by inverse CDF
+    (:mod:`megarl.rollout.sglang.cpu.inverse_cdf_sampling`) and run fp32 CPU linears through the
+    faster of oneDNN and MKL (:mod:`megarl.rollout.sglang.cpu.linear`) in this process: now for a
+    module imported already, otherwise right after its import. Run at interpreter start (before SGLang
     is imported) in every process of an engine by the ``sitecustomize`` in
-    ``megarl/rollout/engine_site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
+    ``megarl/rollout/sglang/engine_site`` when ``MEGARL_SGLANG_SCHEDULER_PATCH=1``.
     Also keeps megatron out of the process: SGLang's debug dumper imports ``megatron.core`` when it
     is installed (for a plugin used inside Megatron training processes, never in an engine) and
     reads its absence as "not installed": ~2 s of CPU less per engine start.
     Imports nothing of SGLang itself. Idempotent."""
     sys.modules.setdefault("megatron", None)  # "import megatron..." raises ModuleNotFoundError
-    from megarl.rollout.batched_attention import BACKEND_MODULE, patch_backend_module
-    from megarl.rollout.inverse_cdf_sampling import SAMPLER_MODULE, patch_sampler_module
-    from parallel.cpu.linear import SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module
+    from megarl.rollout.sglang.cpu.batched_attention import BACKEND_MODULE, patch_backend_module
+    from megarl.rollout.sglang.cpu.inverse_cdf_sampling import SAMPLER_MODULE, patch_sampler_module
+    from megarl.rollout.sglang.cpu.linear import SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module
 
     for name, patch in ((_SCHEDULER_MODULE, _patch_scheduler_module),
                         (_WEIGHT_CHECKER_MODULE, _patch_weight_checker_module), (BACKEND_MODULE, patch_backend_module),

@@ -1,6 +1,6 @@
-"""What runs inside the engine process of a :class:`megarl.rollout.engine.SGLangEngine` handle.
+"""What runs inside the engine process of a :class:`megarl.rollout.sglang.engine.SGLangEngine` handle.
 
-The handle starts ``python -c "from megarl.rollout.engine_process import _child_main; _child_main()"``
+The handle starts ``python -c "from megarl.rollout.sglang.engine_process import _child_main; _child_main()"``
 in a new session and process group; :func:`_child_main` builds the ``sglang.Engine`` there and
 serves the handle's ``(method, args, kwargs)`` requests from the pipe until shutdown. Methods
 whose arguments or results the handle reshapes run an RPC handler here (``_do_*``, see
@@ -22,8 +22,8 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from megarl.rollout.engine import SCHEDULER_PATCH_ENV_VAR
-from megarl.rollout.sglang_patches import RESEED_BUSY, RESEED_RPC
+from megarl.rollout.sglang.engine import SCHEDULER_PATCH_ENV_VAR
+from megarl.rollout.sglang.patches import RESEED_BUSY, RESEED_RPC
 
 
 def _do_generate(engine, input_ids, sampling_params, return_logprob, return_routed_experts=False):
@@ -93,8 +93,8 @@ def _do_reseed(engine, seed: int, busy_retry_s: float = 10.0):
         hint = ""
         if RESEED_RPC in message and "attribute" in message:
             hint = (f"\n(the schedulers lack {RESEED_RPC}: they must start with "
-                    f"{SCHEDULER_PATCH_ENV_VAR}=1 and megarl/rollout/engine_site on PYTHONPATH, as "
-                    f"SGLangEngine arranges; see megarl.rollout.sglang_patches.install_scheduler_patch)")
+                    f"{SCHEDULER_PATCH_ENV_VAR}=1 and megarl/rollout/sglang/engine_site on PYTHONPATH, as "
+                    f"SGLangEngine arranges; see megarl.rollout.sglang.patches.install_scheduler_patch)")
         raise RuntimeError(f"SGLang schedulers refused {RESEED_RPC}(seed={seed}): {message}{hint}")
 
 
@@ -175,7 +175,7 @@ def _child_main() -> None:
         if kwargs.get("device") == "cpu":
             _fork_engine_children(conn)
         engine = sglang.Engine(**kwargs)
-        from parallel.cpu.sglang_stubs import STUBBED, is_stub
+        from megarl.rollout.sglang.cpu.stubs import STUBBED, is_stub
 
         stubs = [m for m in STUBBED if is_stub(sys.modules.get(m))]
         conn.send(("ok", {"pid": os.getpid(), "engine_kwargs": kwargs, "cpu_stubs": stubs}))

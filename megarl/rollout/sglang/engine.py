@@ -8,24 +8,24 @@ no engine process outlives the handle.
 
 The handle is shaped like ``sglang.Engine`` (token ids in, token ids out) so it can grow: every
 request is a ``(method, args, kwargs)`` message over a pipe, see :meth:`SGLangEngine.call`; what
-answers it in the engine process is :mod:`megarl.rollout.engine_process`.
+answers it in the engine process is :mod:`megarl.rollout.sglang.engine_process`.
 Without CUDA it selects SGLang's CPU path (torch-native attention, pytorch sampling) and installs
-the import stubs of :mod:`parallel.cpu.sglang_stubs` in the engine's processes.
+the import stubs of :mod:`megarl.rollout.sglang.cpu.stubs` in the engine's processes.
 
 Every process of the engine starts with :data:`SITE_DIR` first on ``PYTHONPATH``: its
 ``sitecustomize`` installs the stubs (``MEGARL_CPU_STUBS=1``, CPU engines, see :func:`child_env`)
 and megarl's patches of SGLang (``MEGARL_SGLANG_SCHEDULER_PATCH=1``, every device, see
-:mod:`megarl.rollout.sglang_patches`) at interpreter start, before SGLang is imported.
+:mod:`megarl.rollout.sglang.patches`) at interpreter start, before SGLang is imported.
 
 Weight sync: :meth:`SGLangEngine.update_weights_direct` copies already-sharded tensors into each TP
 rank's own parameters (one payload per rank, SGLang's ``load_format="direct"``, encoded by
-:mod:`parallel.reshard.transport`) inside a :meth:`SGLangEngine.weight_update` session;
+:mod:`megarl.rollout.sglang.transport`) inside a :meth:`SGLangEngine.weight_update` session;
 :meth:`SGLangEngine.rank_parameter_checksums` reads back what every rank holds, hashed inside the
 scheduler processes.
 
 Reproducible sampling: :meth:`SGLangEngine.reseed` puts every scheduler (TP rank) into the
 sampling state of a freshly started engine whose ``random_seed`` is the given seed (through the
-``megarl_reseed`` method :mod:`megarl.rollout.sglang_patches` adds to SGLang's scheduler).
+``megarl_reseed`` method :mod:`megarl.rollout.sglang.patches` adds to SGLang's scheduler).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from parallel.reshard.transport import SharedMemoryStaging, serialize_rank_tensors
+from megarl.rollout.sglang.transport import SharedMemoryStaging, serialize_rank_tensors
 
-_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+_PROJECT_ROOT = Path(__file__).resolve().parents[3]
 # The interpreter-start hooks of every engine process: a directory (not a package) holding a
 # ``sitecustomize.py``, put first on the engine's PYTHONPATH.
 SITE_DIR = Path(__file__).resolve().parent / "engine_site"
@@ -61,9 +61,9 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = dict(
 # Set in the engine's environment: its processes add ``Scheduler.megarl_reseed`` at import time.
 SCHEDULER_PATCH_ENV_VAR = "MEGARL_SGLANG_SCHEDULER_PATCH"
 # SGLang's model registry imports only this package's model classes (megarl's families) instead of
-# every architecture it has; others still resolve (see megarl.rollout.sglang_models).
+# every architecture it has; others still resolve (see megarl.rollout.sglang.models).
 EXTERNAL_MODEL_PACKAGE_ENV_VAR = "SGLANG_EXTERNAL_MODEL_PACKAGE"
-SGLANG_MODELS_PACKAGE = "megarl.rollout.sglang_models"
+SGLANG_MODELS_PACKAGE = "megarl.rollout.sglang.models"
 
 
 class EngineError(RuntimeError):
@@ -113,10 +113,10 @@ def _pgid(pid: int) -> int | None:
 
 def child_env(env: dict[str, str] | None = None, override: tuple[str, ...] = ()) -> dict[str, str]:
     """A copy of ``env`` (default ``os.environ``) with which every Python process installs the
-    CPU import stubs of :mod:`parallel.cpu.sglang_stubs` at start: ``MEGARL_CPU_STUBS=1`` (plus
+    CPU import stubs of :mod:`megarl.rollout.sglang.cpu.stubs` at start: ``MEGARL_CPU_STUBS=1`` (plus
     ``MEGARL_CPU_STUBS_OVERRIDE`` for ``override``) and :data:`SITE_DIR` plus the project root
     first on ``PYTHONPATH``."""
-    from parallel.cpu.sglang_stubs import ENV_VAR, OVERRIDE_ENV_VAR
+    from megarl.rollout.sglang.cpu.stubs import ENV_VAR, OVERRIDE_ENV_VAR
 
     env = dict(os.environ if env is None else env)
     paths = [str(SITE_DIR), str(_PROJECT_ROOT)]
@@ -187,7 +187,7 @@ class SGLangEngine:
         parent_sock, child_sock = socket.socketpair()
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from megarl.rollout.engine_process import _child_main; _child_main()",
+                [sys.executable, "-c", "from megarl.rollout.sglang.engine_process import _child_main; _child_main()",
                  str(child_sock.fileno()), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=engine_env,
                 pass_fds=(child_sock.fileno(),), start_new_session=True, cwd=str(_PROJECT_ROOT))
@@ -206,7 +206,7 @@ class SGLangEngine:
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         """Run ``engine.<method>(*args, **kwargs)`` in the engine process and return its (picklable)
-        result; methods with a helper in ``megarl.rollout.engine_process._HELPERS`` run that
+        result; methods with a helper in ``megarl.rollout.sglang.engine_process._HELPERS`` run that
         instead."""
         if self._closed:
             raise EngineDiedError(f"SGLang engine (pid {self.pid}) was shut down; cannot call {method}",
@@ -304,11 +304,11 @@ class SGLangEngine:
         (same shape and dtype as the parameter); a bucket may name any subset of the parameters.
         Delivered with SGLang's ``update_weights_from_tensor(load_format="direct")``: one payload
         per rank, each rank decodes only its own
-        (:func:`parallel.reshard.transport.serialize_rank_tensors`). Must run inside
+        (:func:`megarl.rollout.sglang.transport.serialize_rank_tensors`). Must run inside
         :meth:`weight_update`. ``flush_cache`` flushes SGLang's prefix cache after the load (pass
         False for all but the last bucket).
         CPU tensors travel through this handle's shared-memory staging buffers
-        (:class:`parallel.reshard.transport.SharedMemoryStaging`) unless ``via_shared_memory=False``
+        (:class:`megarl.rollout.sglang.transport.SharedMemoryStaging`) unless ``via_shared_memory=False``
         or /dev/shm is too small; then their bytes go inline.
 
         SGLang's direct loader checks nothing before copying, and a bad entry kills the engine

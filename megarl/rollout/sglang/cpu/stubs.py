@@ -39,8 +39,8 @@ SGLang's Engine spawns scheduler and detokenizer processes, which need the stubs
 first import: :func:`install_from_env` installs them at interpreter start in every Python process
 started with ``MEGARL_CPU_STUBS=1`` (plus ``MEGARL_CPU_STUBS_OVERRIDE=name,...``). The hook that
 calls it is not here: it is the ``sitecustomize`` of megarl's engine processes
-(``megarl/rollout/engine_site``, which also installs megarl's patches of SGLang), and megarl's
-``megarl.rollout.engine.child_env`` builds such an environment. The variables are deliberately not
+(``megarl/rollout/sglang/engine_site``, which also installs megarl's patches of SGLang), and
+``megarl.rollout.sglang.engine.child_env`` builds such an environment. The variables are deliberately not
 named ``SGL_*``: SGLang treats ``SGL_*`` as deprecated aliases of ``SGLANG_*``.
 """
 
@@ -80,7 +80,7 @@ class _Raising:
 
     def __call__(self, *args, **kwargs):
         raise StubCalledError(
-            f"{self._stub_name}() was called, but it is a CPU import stub from parallel.cpu.sglang_stubs "
+            f"{self._stub_name}() was called, but it is a CPU import stub from megarl.rollout.sglang.cpu.stubs "
             f"(the real library is not installed). This code path needs the CUDA build; SGLang on "
             f"CPU must run with attention_backend='torch_native' and sampling_backend='pytorch'.")
 
@@ -115,7 +115,7 @@ class _StubClassMeta(type):
 
     def __call__(cls, *args, **kwargs):
         raise StubCalledError(f"{cls.__module__}.{cls.__name__}(...) was instantiated, but it is "
-                              f"a CPU import stub from parallel.cpu.sglang_stubs")
+                              f"a CPU import stub from megarl.rollout.sglang.cpu.stubs")
 
 
 class _TreeModule(types.ModuleType):

@@ -11,7 +11,7 @@ Only the plain case is replaced (no top-k/top-p/min-p filtering and no per-reque
 ``sampling_seed``: SGLang's deterministic path keeps its own Gumbel sampler). The generator is
 the scheduler's global torch RNG, as for ``torch.multinomial``, so ``SGLangEngine.reseed`` still
 makes the tokens a function of (weights, seed). Installed in the engine's processes by
-:func:`megarl.rollout.sglang_patches.install_scheduler_patch`.
+:func:`megarl.rollout.sglang.patches.install_scheduler_patch`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Interpreter-start hooks for the processes of a megarl SGLang engine (this directory,
-``megarl.rollout.engine.SITE_DIR``, is put first on their PYTHONPATH; it is a plain directory, not
+``megarl.rollout.sglang.engine.SITE_DIR``, is put first on their PYTHONPATH; it is a plain directory, not
 a package; SGLang spawns its scheduler/detokenizer children, which must be hooked before their first
 import). Two independent hooks, each off unless its variable is "1":
 
 ``MEGARL_CPU_STUBS``
-    install megarl's CPU import stubs (CPU engines only; see ``parallel/cpu/sglang_stubs/__init__.py``
-    and ``megarl.rollout.engine.child_env``).
+    install megarl's CPU import stubs (CPU engines only; see ``megarl/rollout/sglang/cpu/stubs.py``
+    and ``megarl.rollout.sglang.engine.child_env``).
 ``MEGARL_SGLANG_SCHEDULER_PATCH``
     add ``Scheduler.megarl_reseed`` to SGLang's scheduler and batch the torch-native decode attention
     when they are imported (every device; see
-    ``megarl.rollout.sglang_patches.install_scheduler_patch``).
+    ``megarl.rollout.sglang.patches.install_scheduler_patch``).
 
 Then the next ``sitecustomize`` on ``sys.path`` (one this file shadows, e.g. a distribution's)
 runs as it would have without this directory.
@@ -19,12 +19,12 @@ import os
 import sys
 
 if os.environ.get("MEGARL_CPU_STUBS", "") == "1":
-    from parallel.cpu.sglang_stubs import install_from_env
+    from megarl.rollout.sglang.cpu.stubs import install_from_env
 
     install_from_env()
 
 if os.environ.get("MEGARL_SGLANG_SCHEDULER_PATCH", "") == "1":
-    from megarl.rollout.sglang_patches import install_scheduler_patch
+    from megarl.rollout.sglang.patches import install_scheduler_patch
 
     install_scheduler_patch()
 

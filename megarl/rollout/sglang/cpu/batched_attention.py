@@ -11,7 +11,7 @@ matrix stays under ``SCORE_BUDGET`` elements; the groups' index tensors are buil
 forward step and reused by every layer. Sliding windows, cross-attention and non-causal
 (encoder) layers keep SGLang's loop.
 
-Installed in the engine's processes by :func:`megarl.rollout.sglang_patches.install_scheduler_patch`
+Installed in the engine's processes by :func:`megarl.rollout.sglang.patches.install_scheduler_patch`
 (the module is patched right after SGLang imports it).
 """
 

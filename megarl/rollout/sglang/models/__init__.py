@@ -1,5 +1,5 @@
 """SGLang's own model classes for the families megarl trains, as an SGLang "external model
-package" (``SGLANG_EXTERNAL_MODEL_PACKAGE``, set by :class:`megarl.rollout.SGLangEngine`).
+package" (``SGLANG_EXTERNAL_MODEL_PACKAGE``, set by :class:`megarl.rollout.sglang.engine.SGLangEngine`).
 
 Why: SGLang's model registry imports every module of ``sglang.srt.models`` (well over a hundred
 architectures) when it is first imported, in each scheduler process: ~1.8 s of CPU per engine
