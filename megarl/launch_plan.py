@@ -328,7 +328,7 @@ def conversion_plan(cfg: RunConfig, ranks_per_node: int, verify: bool = True) ->
 
     from megarl.config.validate import model_hf_config
     from parallel.memory import ModelShape, megatron_stage_params
-    from parallel.reshard.shards import hf_tensor_shapes, megatron_shards
+    from parallel.shards import hf_tensor_shapes, megatron_shards
 
     hf = model_hf_config(cfg.model.path)
     shape = ModelShape.from_hf(hf)

@@ -181,7 +181,7 @@ def gpt_weight_rules(hf: Mapping[str, Any], qkv_bias: bool, qk_norm: bool, layer
     else:
         # Experts split over expert-parallel ranks (whole experts) and, inside one, over expert-TP
         # ranks as a dense MLP over TP. SGLang fuses a layer's experts into stacked tensors, which
-        # per-expert rules cannot name: parallel.reshard.shards maps those (sglang None here).
+        # per-expert rules cannot name: parallel.shards maps those (sglang None here).
         expert = f"{layer}.mlp.experts.local_experts.{{expert}}"
         rules += [
             WeightRule(f"{layer}.mlp.router.weight", (moe.router,), "replicated", moe.router),

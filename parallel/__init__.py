@@ -3,7 +3,9 @@
 Layers inside (imports point downwards only; ``tests/test_architecture.py`` enforces it):
 
 - ``checkpoint/``  HF safetensors IO, Megatron dist checkpoints, streamed conversion, verification
-- ``reshard/``     where every shard lives (boxes of the HF tensors) and plans that move them
+- ``reshard/``     plans that move shards from one layout to another, and their executor
+                   (``checkpoint/`` and ``reshard/`` are independent: neither imports the other)
+- ``shards``       where every shard lives, as boxes of the HF tensors (both of the above read it)
 - ``forward``      forward-only passes at any layout (logits, values)
 - ``models``       this rank's model chunks (policy, critic) and layout-independent initialisation
 - ``layout``       a Megatron layout: validation and process groups

@@ -221,7 +221,7 @@ def main(argv=None) -> int:
         ckpt_bytes = sum(f.stat().st_size for f in files_of(hf_dir) if f.suffix == ".safetensors")
         import math
 
-        from parallel.reshard.shards import hf_tensor_shapes
+        from parallel.shards import hf_tensor_shapes
 
         params = sum(math.prod(s) for s in hf_tensor_shapes(hf_config_dict(args.preset)).values())
         log(f"{params / 1e6:.1f}M parameters, {ckpt_bytes / 1e6:.1f} MB of safetensors")

@@ -399,7 +399,7 @@ def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, criti
             p.add("rollout.tp", r.tp, f"the rollout pool {cfg.pool_for('rollout')!r} has {world} ranks, not a "
                   "multiple of the engines' tensor-parallel size", f"pick one of {_divisors(world)}")
         if hf_config is not None:
-            from parallel.reshard.shards import sglang_expert_problem, sglang_tp_problem
+            from parallel.shards import sglang_expert_problem, sglang_tp_problem
 
             cpu = cfg.cluster.device == "cpu"
             tp_problem = sglang_tp_problem(hf_config, r.tp, cpu=cpu)

@@ -1,4 +1,4 @@
-"""HF <-> Megatron weights at any TP/PP/VPP layout, driven by ``parallel.reshard.shards``.
+"""HF <-> Megatron weights at any TP/PP/VPP layout, driven by ``parallel.shards``.
 
 ``load_hf_into_chunks`` runs on every rank and fills that rank's model chunks from an HF
 checkpoint, reading only the boxes the rank needs. ``gather_hf_tensors`` is the inverse: a
@@ -24,7 +24,7 @@ from parallel.checkpoint.hf_io import HFCheckpoint, check_chunk_names, chunks_la
 from parallel.forward import prompt_logits
 from parallel.layout import MegatronLayout
 from parallel.models import init_value_head, unwrap_model, value_heads
-from parallel.reshard.shards import (
+from parallel.shards import (
     LocalTensor,
     MegatronRank,
     hf_tensor_shapes,

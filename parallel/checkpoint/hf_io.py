@@ -26,7 +26,7 @@ import torch
 
 from parallel.checkpoint.atomic import atomic_directory
 from parallel.checkpoint.errors import CheckpointError
-from parallel.reshard.shards import Box, hf_tensor_shapes
+from parallel.shards import Box, hf_tensor_shapes
 
 CHECKSUMS_FILE = "megarl_checksums.json"
 

@@ -4,7 +4,7 @@ Neither direction builds the model's weights. Each rank builds its GPTModel chun
 device (shapes only) and asks megatron for their ``sharded_state_dict``: megatron itself decides
 every checkpoint key, global shape, layer axis, swiglu split, vocab padding and replica. Each
 stored shard is then related to boxes of HF tensors through the family's weight rules
-(``parallel.reshard.shards``): ``ShardBoxes``.
+(``parallel.shards``): ``ShardBoxes``.
 
 - Writing (``save_streamed``): ``megatron.core.dist_checkpointing.save`` runs as usual (validation,
   metadata.json, common.pt, torch DCP planning and ``.metadata``) with a strategy whose writer
@@ -32,7 +32,7 @@ from parallel.checkpoint.errors import CheckpointError
 from parallel.checkpoint.hf_io import HFCheckpoint, check_chunk_names, chunks_layer_spec
 from parallel.layout import MegatronLayout
 from parallel.models import build_model_chunks, unwrap_model
-from parallel.reshard.shards import Box, box_intersection, box_volume, megatron_shards, this_megatron_rank
+from parallel.shards import Box, box_intersection, box_volume, megatron_shards, this_megatron_rank
 
 # (HF tensor or None for zeros, its box, the box of the stored shard it fills)
 Link = tuple[str | None, Box, Box]
@@ -267,7 +267,7 @@ def read_hf_tensors(directory: str | Path, hf: Mapping[str, Any], layout: Megatr
     ``directory`` (saved at any layout): every tensor on rank 0 and None elsewhere, or with
     ``shared`` every rank its share of the tensors (``names[rank::world]``). ``layout`` is the
     layout of this process group; it only decides how the boxes are computed."""
-    from parallel.reshard.shards import hf_tensor_shapes
+    from parallel.shards import hf_tensor_shapes
 
     _, boxes = sharded_state_dict_with_boxes(meta_chunks(hf, layout), hf, layout)
     mine = [(e.key, e.prepend, e.global_box(), hf_name, src, dst)
@@ -303,7 +303,7 @@ def _read_tensors(directory: Path, hf: Mapping[str, Any], by_name: dict[str, lis
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    from parallel.reshard.shards import hf_tensor_shapes
+    from parallel.shards import hf_tensor_shapes
 
     reader = FileSystemReader(str(directory))
     metadata = reader.read_metadata()

@@ -27,7 +27,7 @@ from parallel.checkpoint.stream import read_hf_tensors
 from parallel.forward import prompt_logits
 from parallel.layout import MegatronLayout
 from parallel.models import build_model_chunks
-from parallel.reshard.shards import hf_tensor_shapes
+from parallel.shards import hf_tensor_shapes
 
 # config.json fields that describe the file, not the model.
 _NOT_MODEL_FIELDS = {"transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path"}

@@ -1,5 +1,4 @@
-"""Resharding: ``shards`` describes where every shard of every parameter lives (Megatron TP/PP/VPP,
-SGLang TP) as boxes of the HF tensors; ``plan`` intersects two such descriptions into the copies
-that move weights from one layout to another, checks them, and executes them in place;
-``transport`` hands a rank's resharded tensors to an SGLang engine rank in another process (bytes
-inline, or named in shared memory)."""
+"""Resharding, from Megatron's layout to SGLang's: ``plan`` intersects two descriptions of where
+every shard lives (``parallel.shards``) into the copies that move weights from one layout to
+another, checks them, and executes them in place, locally and over torch.distributed. How the resharded tensors then reach an engine rank is
+``megarl.rollout.sglang.transport``."""

@@ -1,6 +1,6 @@
 """Resharding plans: which slice of which source rank's tensor goes into which destination buffer.
 
-Both layouts are described as boxes of the canonical HF tensors (``parallel.reshard.shards``), so a plan
+Both layouts are described as boxes of the canonical HF tensors (``parallel.shards``), so a plan
 is box intersection: for every destination piece, the source pieces that hold the same HF
 region. Replicas (TP-replicated norms, data-parallel copies) hold identical boxes; the planner
 takes each region once, from a holder on the destination's own device when there is one (no
@@ -24,7 +24,7 @@ from typing import Mapping
 import torch
 
 from parallel.layout import MegatronLayout
-from parallel.reshard.shards import (
+from parallel.shards import (
     Box,
     LocalTensor,
     MegatronRank,
@@ -122,7 +122,7 @@ def _translate(region: Box, piece_src: Box, piece_dst: Box) -> Box:
 
 
 def megatron_device_positions(layout: MegatronLayout, world_size: int) -> dict[int, MegatronRank]:
-    """Global rank -> model position (``parallel.reshard.shards.megatron_position``) of every rank."""
+    """Global rank -> model position (``parallel.shards.megatron_position``) of every rank."""
     layout.data_parallel_size(world_size)  # refuses a world the layout does not divide
     return {rank: megatron_position(rank, layout, world_size) for rank in range(world_size)}
 

@@ -7,7 +7,7 @@ import torch
 from model_specs import UnsupportedModelError, family_for
 from model_specs.presets import hf_config_dict
 from parallel.layout import LayoutError, MegatronLayout
-from parallel.reshard.shards import check_coverage, hf_tensor_shapes, megatron_positions, megatron_shards
+from parallel.shards import check_coverage, hf_tensor_shapes, megatron_positions, megatron_shards
 
 MOE_PRESETS = ("tiny-qwen3-moe", "tiny-mixtral")
 

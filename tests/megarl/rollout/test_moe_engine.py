@@ -15,7 +15,7 @@ from model_specs.presets import PRESETS
 from parallel.checkpoint.hf_io import HFCheckpoint
 from parallel.layout import MegatronLayout
 from parallel.reshard.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
-from parallel.reshard.shards import megatron_shards
+from parallel.shards import megatron_shards
 from tests.megarl.rollout.test_engine import NEW_TOKENS, _engine_leftovers, _hf_greedy, _prompts
 from tests.parallel.reshard.test_plan import materialise
 from tests.sglang_oracle import sglang_all_rank_parameters, sglang_oracle_batch
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-path test
 
 PRESET, TP, EP = "tiny-qwen3-moe", 2, 2
 # SGLang's CPU engine pads the experts' intermediate size to a multiple of 32 * tp (64 here), a
-# layout megarl refuses to sync into (parallel.reshard.shards.sglang_expert_problem): the preset's
+# layout megarl refuses to sync into (parallel.shards.sglang_expert_problem): the preset's
 # 32 would be padded.
 FFN = {"moe_intermediate_size": 64}
 

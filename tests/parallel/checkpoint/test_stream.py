@@ -19,7 +19,7 @@ import torch
 
 from model_specs.presets import hf_config_dict, save_tiny_hf_model
 from parallel.checkpoint.hf_io import HFCheckpoint
-from parallel.reshard.shards import hf_tensor_shapes
+from parallel.shards import hf_tensor_shapes
 from parallel.spawn import run_on_ranks
 
 

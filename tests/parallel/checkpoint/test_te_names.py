@@ -30,7 +30,7 @@ from model_specs.presets import hf_config_dict
 from parallel.checkpoint.convert import fill_local_tensor
 from parallel.checkpoint.hf_io import HFCheckpoint
 from parallel.layout import MegatronLayout
-from parallel.reshard.shards import MegatronRank, megatron_shards
+from parallel.shards import MegatronRank, megatron_shards
 from parallel.spawn import run_on_ranks
 from tests.parallel.checkpoint import mbridge_oracle, rank_fns, te_stand_in
 

@@ -10,7 +10,7 @@ import torch
 from model_specs.presets import hf_config_dict
 from parallel.layout import MegatronLayout
 from parallel.reshard.plan import Copy, Plan, execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
-from parallel.reshard.shards import LocalTensor, megatron_shards
+from parallel.shards import LocalTensor, megatron_shards
 
 LAYOUTS = {  # tools/bench_reshard.py's cases, plus replicas and virtual pipeline chunks
     "tp2-to-tp2": (MegatronLayout(tp=2), 2, 2), "tp2-to-tp1": (MegatronLayout(tp=2), 2, 1),

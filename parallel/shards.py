@@ -8,7 +8,10 @@ description can be checked on its own: every element of every local tensor cover
 
 ``megatron_shards`` derives the description of a Megatron TP/PP/VPP layout from a family's
 weight rules and megatron's own layer numbering, without building the model (so it plans 70B
-models on a laptop).
+models on a laptop); ``sglang_shards`` that of SGLang's TP (and expert-parallel) ranks.
+
+Geometry only, below its two users: checkpoint IO (``parallel.checkpoint``: which boxes a rank
+reads and writes) and resharding (``parallel.reshard``: which boxes move where).
 """
 
 from __future__ import annotations
