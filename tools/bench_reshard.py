@@ -22,7 +22,8 @@ import torch
 from model_specs.base import dtype_from_name
 from model_specs.presets import hf_config_dict
 from parallel.layout import MegatronLayout
-from parallel.reshard.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
+from parallel.reshard.execute import execute_plan_in_memory
+from parallel.reshard.plan import megatron_device_positions, plan_megatron_to_sglang
 from parallel.shards import megatron_shards
 
 CASES = [  # (name, layout, world size, rollout TP, rollout EP)

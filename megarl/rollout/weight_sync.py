@@ -1,6 +1,6 @@
 """Push resharded trainer weights into an SGLang engine and prove the engine now holds them.
 
-The trainer side runs the resharding plan (``parallel.reshard.plan``) into per-SGLang-rank buffers;
+The trainer side runs the resharding plan (``parallel.reshard.execute``) into per-SGLang-rank buffers;
 ``sync_weights`` delivers them in place (SGLang's "direct" load inside a weight-update session)
 and then runs the parity probe: the checksum (``weight_checksum``) of every parameter as each
 SGLang TP rank holds it, computed inside the engine's schedulers by SGLang's weight checker, must

@@ -411,7 +411,7 @@ class MegatronWorker:
 
         from megarl.rollout.sglang.transport import SharedMemoryStaging
         from megarl.rollout.weight_sync import shards_for_transport
-        from parallel.reshard.plan import execute_plan
+        from parallel.reshard.execute import execute_plan
 
         device = dist.get_rank()
         for known in self._sync_plans:  # the trainer sends the same plans at every sync

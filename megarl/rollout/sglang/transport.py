@@ -1,6 +1,6 @@
 """How resharded tensors travel to an SGLang engine rank.
 
-The resharding plan (:mod:`parallel.reshard.plan`) leaves, per SGLang TP rank, a ``{name: tensor}``
+The resharding plan (run by :mod:`parallel.reshard.execute`) leaves, per SGLang TP rank, a ``{name: tensor}``
 of that rank's local parameters; an engine rank lives in another process (SGLang's scheduler), so
 the tensors have to be handed over as bytes. Two ways, both payloads that SGLang's
 ``update_weights_from_tensor`` decodes in the rank's scheduler:

@@ -18,7 +18,8 @@ def train_one_step_then_reshard(hf_dir, layout_kwargs, rollout_tps, export_dir):
     from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.layout import MegatronLayout, initialize_megatron
     from parallel.models import build_model_chunks
-    from parallel.reshard.plan import execute_plan, plan_megatron_to_sglang
+    from parallel.reshard.execute import execute_plan
+    from parallel.reshard.plan import plan_megatron_to_sglang
 
     layout = MegatronLayout(**layout_kwargs)
     ckpt = HFCheckpoint(hf_dir)

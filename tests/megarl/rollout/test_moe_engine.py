@@ -14,7 +14,8 @@ from megarl.rollout import SGLangEngine, weight_checksum
 from model_specs.presets import PRESETS
 from parallel.checkpoint.hf_io import HFCheckpoint
 from parallel.layout import MegatronLayout
-from parallel.reshard.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
+from parallel.reshard.execute import execute_plan_in_memory
+from parallel.reshard.plan import megatron_device_positions, plan_megatron_to_sglang
 from parallel.shards import megatron_shards
 from tests.megarl.rollout.test_engine import NEW_TOKENS, _engine_leftovers, _hf_greedy, _prompts
 from tests.parallel.reshard.test_plan import materialise

@@ -9,7 +9,8 @@ import torch
 
 from model_specs.presets import hf_config_dict
 from parallel.layout import MegatronLayout
-from parallel.reshard.plan import Copy, Plan, execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
+from parallel.reshard.execute import execute_plan_in_memory
+from parallel.reshard.plan import Copy, Plan, megatron_device_positions, plan_megatron_to_sglang
 from parallel.shards import LocalTensor, megatron_shards
 
 LAYOUTS = {  # tools/bench_reshard.py's cases, plus replicas and virtual pipeline chunks

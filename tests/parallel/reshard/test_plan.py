@@ -8,7 +8,8 @@ import torch
 from model_specs.presets import hf_config_dict
 from parallel.checkpoint.convert import fill_local_tensor
 from parallel.layout import MegatronLayout
-from parallel.reshard.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang, separate_pool_rounds
+from parallel.reshard.execute import execute_plan_in_memory
+from parallel.reshard.plan import megatron_device_positions, plan_megatron_to_sglang, separate_pool_rounds
 from parallel.shards import hf_tensor_shapes, megatron_shards, sglang_shards
 
 LAYOUTS = {"tp1": (MegatronLayout(), 1), "tp2": (MegatronLayout(tp=2), 2), "tp2_pp2": (MegatronLayout(tp=2, pp=2), 4),

@@ -10,7 +10,8 @@ import torch
 from model_specs.presets import save_tiny_hf_model
 from parallel.checkpoint.hf_io import HFCheckpoint
 from parallel.layout import MegatronLayout
-from parallel.reshard.plan import execute_plan_in_memory, megatron_device_positions, plan_megatron_to_sglang
+from parallel.reshard.execute import execute_plan_in_memory
+from parallel.reshard.plan import megatron_device_positions, plan_megatron_to_sglang
 from parallel.shards import megatron_shards
 from tests.parallel.reshard.test_plan import materialise
 from tests.sglang_oracle import sglang_all_rank_parameters, sglang_oracle_batch
