@@ -1,6 +1,8 @@
 """The project's import layering (.importlinter: tools -> megarl -> parallel -> model_specs, the
-layers inside parallel/ and megarl/, no cycles) and its lint rules (ruff.toml) hold for the tree."""
+layers inside parallel/ and megarl/, no cycles), the one room that imports SGLang, and its lint
+rules (ruff.toml) hold for the tree."""
 
+import ast
 import configparser
 import re
 import subprocess
@@ -37,6 +39,33 @@ def test_every_package_sits_on_a_layer():
     megarl = {p.stem for p in (ROOT / "megarl").iterdir()
               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
     assert megarl == _layered(config, "megarl"), megarl ^ _layered(config, "megarl")
+
+
+def sglang_imports(path: Path) -> list[int]:
+    """Line numbers of the imports of ``sglang`` (top-level or inside a function) in a file."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name == "sglang" or name.startswith("sglang.") for name in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_sglang_room_imports_sglang():
+    """Everything that knows SGLang lives in megarl/rollout/sglang/: no other module of the four
+    packages imports it (import-linter leaves external packages out of its graph, so this reads
+    the files)."""
+    room = ROOT / "megarl" / "rollout" / "sglang"
+    found = [f"{path.relative_to(ROOT)}:{line}" for package in ("megarl", "parallel", "model_specs", "tools")
+             for path in sorted((ROOT / package).rglob("*.py")) if not path.is_relative_to(room)
+             for line in sglang_imports(path)]
+    assert not found, found
+    assert sglang_imports(room / "engine_process.py"), "the check no longer sees the room's own imports"
 
 
 def test_ruff():
