@@ -307,13 +307,15 @@ class TestWeightUpdate:
     TP = 2
 
     @pytest.fixture(scope="class", autouse=True)
-    def oracle(self, model_dirs, second_llama):
+    @classmethod
+    def oracle(cls, model_dirs, second_llama):
         """SGLang's loaders' parameters of both checkpoints, from one oracle process (then cached)."""
-        sglang_oracle_batch([(model_dirs["tiny-llama"], self.TP), (second_llama, self.TP)])
+        sglang_oracle_batch([(model_dirs["tiny-llama"], cls.TP), (second_llama, cls.TP)])
 
     @pytest.fixture(scope="class")
-    def engine(self, model_dirs):
-        with SGLangEngine(model_dirs["tiny-llama"], tp_size=self.TP, startup_timeout_s=240, call_timeout_s=120,
+    @classmethod
+    def engine(cls, model_dirs):
+        with SGLangEngine(model_dirs["tiny-llama"], tp_size=cls.TP, startup_timeout_s=240, call_timeout_s=120,
                           custom_weight_loader=[sglang_probe.PROBE]) as eng:
             yield eng
         assert _engine_leftovers(eng.pid) == []
