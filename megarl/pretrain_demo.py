@@ -9,8 +9,9 @@ from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
 from model_specs.presets import hf_config_dict
 from parallel.checkpoint.convert import load_hf_into_chunks
 from parallel.checkpoint.hf_io import HFCheckpoint
-from parallel.layout import MegatronLayout, initialize_megatron
+from parallel.layout import MegatronLayout
 from parallel.models import build_model_chunks, init_params_layout_independent
+from parallel.process_groups import initialize_megatron
 
 
 @dataclasses.dataclass

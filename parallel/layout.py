@@ -1,4 +1,5 @@
-"""Megatron parallel layouts: validation and process-group setup (the models are built by ``parallel.models``).
+"""Megatron parallel layouts and their validation (process groups: ``parallel.process_groups``;
+the models are built by ``parallel.models``).
 
 A layout is TP x CP x DP x PP (with optional VPP and sequence parallelism) over a world of ranks;
 an MoE model's experts are split EP x ETP over the same ranks.
@@ -11,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any, Mapping
-
-import torch
 
 
 class LayoutError(ValueError):
@@ -123,28 +122,3 @@ class MegatronLayout:
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.etp,
         )
-
-
-def initialize_megatron(layout: MegatronLayout, seed: int = 1234) -> None:
-    """Create megatron's process groups for ``layout`` (torch.distributed must be initialised)
-    and seed its model-parallel RNG tracker."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from parallel.cpu import compat as cpu_compat
-
-    cpu_compat.apply()
-    layout.validate(dist.get_world_size())
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-    )
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-

@@ -85,7 +85,7 @@ GiB = 1 << 30
 # allowance per GPU on top of what the tensors need.
 RUNTIME_RESERVE_BYTES = 3 * GiB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-MEGATRON_VOCAB_DIVISIBLE_BY = 128  # parallel.layout.build_model_chunks' default
+MEGATRON_VOCAB_DIVISIBLE_BY = 128  # parallel.models.build_model_chunks' default
 SGLANG_VOCAB_DIVISIBLE_BY = 64  # sglang's VocabParallelEmbedding padding
 # parallel.models.core_attention_kind's names
 ATTENTION_KINDS = ("sdpa", "transformer_engine", "context_parallel", "shared_prefix")

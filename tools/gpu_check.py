@@ -53,8 +53,9 @@ def parity(spec: str, preset: str, positions: int) -> dict:
     from parallel.checkpoint.convert import load_hf_into_chunks
     from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.forward import megatron_logits
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -113,8 +114,9 @@ def training(spec: str, preset: str, seq: int, micro_batch: int, micro_batches: 
 
     from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
     from model_specs.presets import hf_config_dict
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout(use_distributed_optimizer=True)
     initialize_megatron(layout)

@@ -153,8 +153,8 @@ class MegatronWorker:
         from model_specs.base import dtype_from_name
         from parallel.checkpoint.convert import load_hf_into_chunks
         from parallel.checkpoint.hf_io import HFCheckpoint, chunks_layer_spec
-        from parallel.layout import initialize_megatron
         from parallel.models import build_model_chunks
+        from parallel.process_groups import initialize_megatron
 
         if spec.role not in MEGATRON_ROLES:
             raise ValueError(f"unknown role {spec.role!r}; roles: {list(MEGATRON_ROLES)}")

@@ -16,8 +16,9 @@ def train_one_step_then_reshard(hf_dir, layout_kwargs, rollout_tps, export_dir):
     from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
     from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
     from parallel.checkpoint.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
     from parallel.reshard.execute import execute_plan
     from parallel.reshard.plan import plan_megatron_to_sglang
 

@@ -20,8 +20,9 @@ def first_step_grad_norm(layout_kwargs, untag_sequence_parallel_norms=False, con
     from megarl.data.synthetic import arithmetic_sequence_batches
     from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
     from model_specs.presets import hf_config_dict
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks, init_params_layout_independent
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout(**layout_kwargs)
     hf = hf_config_dict("tiny-llama")
@@ -110,7 +111,8 @@ def megatron_linear_pair(x, col_weight, col_bias, row_weight, grad_out, frozen):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
+    from parallel.process_groups import initialize_megatron
 
     tp, rank = dist.get_world_size(), dist.get_rank()
     initialize_megatron(MegatronLayout(tp=tp))
