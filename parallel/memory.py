@@ -2,8 +2,8 @@
 
 Everything here is arithmetic over the model's shape (``ModelShape.from_hf``, the same HF config
 dict ``model_specs`` reads) and a layout (anything with ``tp pp vpp cp sequence_parallel
-use_distributed_optimizer`` attributes: ``parallel.layout.MegatronLayout`` or the run config's
-``LayoutConfig``). Numbers are bytes on the busiest rank. What is assumed, and why:
+use_distributed_optimizer`` attributes: ``parallel.layout.MegatronLayout``, also the run config's
+layouts). Numbers are bytes on the busiest rank. What is assumed, and why:
 
 Parameters (exact, megatron's local GPT spec = the HF model's tensors): counted per tensor by
 ``model_specs.arithmetic`` (``parameter_counts``: per layer attention q h*nh*d, k and v h*nkv*d

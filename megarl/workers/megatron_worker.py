@@ -39,6 +39,7 @@ from megarl.workers.batch import (
 )
 from megarl.workers.losses import LossSettings, actor_loss, critic_loss, loss_share
 from model_specs import num_experts
+from parallel.layout import MegatronLayout
 
 
 @dataclasses.dataclass
@@ -47,7 +48,7 @@ class ModelSpec:
 
     role: str
     hf_dir: str  # the initial weights (HF safetensors)
-    layout: Any  # parallel.layout.MegatronLayout
+    layout: MegatronLayout
     batching: MicroBatching = dataclasses.field(default_factory=MicroBatching)
     optim: Any = None  # megarl.config.schema.OptimSettings; None = frozen (reference)
     total_optimizer_steps: int = 1  # for the learning-rate schedule
