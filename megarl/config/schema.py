@@ -118,7 +118,9 @@ _Beta = Annotated[Float, Field(ge=0, lt=1)]
 
 @dataclass
 class OptimSettings(_Section):
-    """Adam with gradient clipping and a learning-rate schedule, for one trainable model."""
+    """Adam with gradient clipping and a learning-rate schedule, for one trainable model: what
+    ``megarl.training.build_optimizer`` takes (its ``AdamSettings``) and the schedule the worker
+    applies (``megarl.workers.megatron_worker.learning_rate``)."""
 
     lr: Float = bounded(1e-6, gt=0, problem="the learning rate must be > 0", fix="set a positive value such as 1e-6")
     betas: tuple[_Beta, _Beta] = bounded((0.9, 0.999), problem="Adam betas must be in [0, 1)",
@@ -130,15 +132,6 @@ class OptimSettings(_Section):
     lr_warmup_steps: Int = bounded(0, ge=0, fix="use 0 for none")  # optimizer steps of linear warm-up from 0
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, towards min_lr
     min_lr: Float = 0.0  # in [0, lr] (two fields: validate)
-
-    def to_optim_config(self):
-        """The ``megarl.training.OptimConfig`` of this section (imports torch)."""
-        from megarl.training import OptimConfig
-
-        return OptimConfig(
-            lr=self.lr, weight_decay=self.weight_decay, adam_beta1=self.betas[0], adam_beta2=self.betas[1],
-            adam_eps=self.eps, clip_grad=self.clip_grad,
-        )
 
 
 @dataclass
