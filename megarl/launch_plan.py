@@ -334,7 +334,7 @@ def conversion_plan(cfg: RunConfig, ranks_per_node: int, verify: bool = True) ->
     shape = ModelShape.from_hf(hf)
     layout = cfg.actor.layout
     world = cfg.cluster.world_size
-    shard = 4 * max(math.prod(t.shape) for chunks in megatron_shards(hf, layout.to_megatron()).values()
+    shard = 4 * max(math.prod(t.shape) for chunks in megatron_shards(hf, layout).values()
                     for chunk in chunks for t in chunk.values())
     tensor = 4 * max(math.prod(s) for s in hf_tensor_shapes(hf).values())
     probe = verify and shape.total_params() <= 2e9

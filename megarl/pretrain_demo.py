@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from megarl.config.schema import OptimSettings
 from megarl.data.synthetic import arithmetic_sequence_batches
-from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
+from megarl.training import build_optimizer, train_step, wrap_ddp
 from model_specs.presets import hf_config_dict
 from parallel.checkpoint.convert import load_hf_into_chunks
 from parallel.checkpoint.hf_io import HFCheckpoint
-from parallel.layout import MegatronLayout, initialize_megatron
+from parallel.layout import MegatronLayout
 from parallel.models import build_model_chunks, init_params_layout_independent
+from parallel.process_groups import initialize_megatron
 
 
 @dataclasses.dataclass
@@ -25,7 +27,7 @@ class DemoRun:
     seq_length: int = 32
     seed: int = 1234
     loss_mask_prefix: int = 0  # the first N tokens of every sequence carry no loss (like a prompt)
-    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-2))
+    optim: OptimSettings = dataclasses.field(default_factory=lambda: OptimSettings(lr=1e-2, weight_decay=0.0))
     # Start from this HF checkpoint's weights (its config, not the preset's) instead of the
     # layout-independent random init: the same model at every layout for MoE models too.
     hf_dir: str | None = None

@@ -10,9 +10,8 @@ main parameters in the optimizer.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -20,16 +19,15 @@ from parallel.layout import MegatronLayout
 from parallel.modules.context_parallel import split_for_context_parallel
 
 
-@dataclasses.dataclass
-class OptimConfig:
-    """Adam settings for one trainable model."""
+class AdamSettings(Protocol):
+    """What ``build_optimizer`` reads of a model's optimizer settings: ``megarl.config.schema.OptimSettings``
+    (the one optimizer type; this module sits below ``megarl.config`` and cannot import it)."""
 
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    clip_grad: float  # max global grad norm; 0 = no clipping
 
 
 def wrap_ddp(chunks: list, layout: MegatronLayout) -> list:
@@ -53,13 +51,13 @@ def wrap_ddp(chunks: list, layout: MegatronLayout) -> list:
     return wrapped
 
 
-def build_optimizer(chunks: list, optim: OptimConfig, layout: MegatronLayout):
+def build_optimizer(chunks: list, optim: AdamSettings, layout: MegatronLayout):
     """megatron's optimizer over DDP-wrapped chunks (torch Adam underneath when TE/apex are absent)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
-        optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
-        adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
+        optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.clip_grad,
         params_dtype=chunks[0].config.params_dtype, bf16=chunks[0].config.params_dtype == torch.bfloat16,
         use_distributed_optimizer=layout.use_distributed_optimizer,
     )

@@ -8,7 +8,8 @@ Layers inside (imports point downwards only; ``tests/test_architecture.py`` enfo
 - ``shards``       where every shard lives, as boxes of the HF tensors (both of the above read it)
 - ``forward``      forward-only passes at any layout (logits, values)
 - ``models``       this rank's model chunks (policy, critic) and layout-independent initialisation
-- ``layout``       a Megatron layout: validation and process groups
+- ``process_groups`` megatron's process groups and RNG seeds for a layout (beside ``models``)
+- ``layout``       a Megatron layout and its validation (no torch)
 - ``modules/``     torch modules and functions used inside a forward: attention variants, packing,
                    vocab-parallel log-probs, the value head
 - ``cpu/``         megatron-core on a CPU: its patches, CPU linears (oneDNN or MKL)

@@ -1,18 +1,26 @@
-"""Megatron parallel layouts: validation and process-group setup (the models are built by ``parallel.models``).
+"""Megatron parallel layouts and their validation (process groups: ``parallel.process_groups``;
+the models are built by ``parallel.models``).
 
 A layout is TP x CP x DP x PP (with optional VPP and sequence parallelism) over a world of ranks;
 an MoE model's experts are split EP x ETP over the same ranks.
 It is validated against the model before any process group or tensor exists, so a bad layout
 fails with one message naming the field and the fix.
+
+``MegatronLayout`` is also the run config's layout section (``megarl.config.schema``: ``actor.layout``
+and the other roles'), so this module imports neither torch nor pydantic: pydantic reads the
+plain-dict ``__pydantic_config__`` and field ``metadata`` below when it validates a config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
-import torch
+# What pydantic makes of a field's ``metadata`` (``pydantic.Field(strict=True)``): as in the other
+# config sections, no string for a number and no 0/1 for a boolean. (Strictness is per field: a
+# strict *class* config would also refuse a mapping for the layout itself.)
+_STRICT = {"strict": True}
 
 
 class LayoutError(ValueError):
@@ -21,19 +29,31 @@ class LayoutError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MegatronLayout:
-    """Where a Megatron model's shards live: tensor, pipeline (+virtual), context, data parallel."""
+    """Where a Megatron model's shards live: tensor, pipeline (+virtual), context, data parallel.
+    DP is what the world leaves over."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None  # virtual pipeline chunks per stage (interleaved schedule); None = off
-    cp: int = 1
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    # pydantic's config when the run config validates one (unknown keys are refused)
+    __pydantic_config__: ClassVar[dict] = {"extra": "forbid"}
+
+    tp: int = dataclasses.field(default=1, metadata=_STRICT)
+    pp: int = dataclasses.field(default=1, metadata=_STRICT)
+    # virtual pipeline chunks per stage (interleaved 1F1B); None = off
+    vpp: int | None = dataclasses.field(default=None, metadata=_STRICT)
+    cp: int = dataclasses.field(default=1, metadata=_STRICT)
+    sequence_parallel: bool = dataclasses.field(default=False, metadata=_STRICT)
+    use_distributed_optimizer: bool = dataclasses.field(default=False, metadata=_STRICT)
     # MoE models: expert parallelism (whole experts split over ep ranks) and expert tensor
     # parallelism (each expert split over etp ranks). The ep*etp expert ranks of a stage are
     # carved from its tp*cp*dp ranks, fastest first (megatron's expert order tp-ep-dp-pp).
-    ep: int = 1
-    etp: int = 1
+    ep: int = dataclasses.field(default=1, metadata=_STRICT)
+    etp: int = dataclasses.field(default=1, metadata=_STRICT)
+
+    def __str__(self) -> str:
+        """Short form for messages and logs, e.g. ``tp=2 pp=2 cp=1 vpp=2 sp``."""
+        extras = ([f"vpp={self.vpp}"] if self.vpp else []) + (["sp"] if self.sequence_parallel else []) + (
+            ["dist-opt"] if self.use_distributed_optimizer else []) + (
+            [f"ep={self.ep}"] if self.ep > 1 else []) + ([f"etp={self.etp}"] if self.etp > 1 else [])
+        return " ".join([f"tp={self.tp} pp={self.pp} cp={self.cp}", *extras])
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP implied by the world size; raises if the world is not a multiple of TP*PP*CP."""
@@ -123,28 +143,3 @@ class MegatronLayout:
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.etp,
         )
-
-
-def initialize_megatron(layout: MegatronLayout, seed: int = 1234) -> None:
-    """Create megatron's process groups for ``layout`` (torch.distributed must be initialised)
-    and seed its model-parallel RNG tracker."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from parallel.cpu import compat as cpu_compat
-
-    cpu_compat.apply()
-    layout.validate(dist.get_world_size())
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-    )
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-

@@ -2,8 +2,8 @@
 
 Everything here is arithmetic over the model's shape (``ModelShape.from_hf``, the same HF config
 dict ``model_specs`` reads) and a layout (anything with ``tp pp vpp cp sequence_parallel
-use_distributed_optimizer`` attributes: ``parallel.layout.MegatronLayout`` or the run config's
-``LayoutConfig``). Numbers are bytes on the busiest rank. What is assumed, and why:
+use_distributed_optimizer`` attributes: ``parallel.layout.MegatronLayout``, also the run config's
+layouts). Numbers are bytes on the busiest rank. What is assumed, and why:
 
 Parameters (exact, megatron's local GPT spec = the HF model's tensors): counted per tensor by
 ``model_specs.arithmetic`` (``parameter_counts``: per layer attention q h*nh*d, k and v h*nkv*d
@@ -85,7 +85,7 @@ GiB = 1 << 30
 # allowance per GPU on top of what the tensors need.
 RUNTIME_RESERVE_BYTES = 3 * GiB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-MEGATRON_VOCAB_DIVISIBLE_BY = 128  # parallel.layout.build_model_chunks' default
+MEGATRON_VOCAB_DIVISIBLE_BY = 128  # parallel.models.build_model_chunks' default
 SGLANG_VOCAB_DIVISIBLE_BY = 64  # sglang's VocabParallelEmbedding padding
 # parallel.models.core_attention_kind's names
 ATTENTION_KINDS = ("sdpa", "transformer_engine", "context_parallel", "shared_prefix")

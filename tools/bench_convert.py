@@ -80,8 +80,9 @@ def in_memory_rank(hf_dir: str, out_base: str, layout_kwargs: dict, repeats: int
 
     from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
     from parallel.checkpoint.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
     from tests.parallel.checkpoint.mbridge_oracle import local_spec_bridge
 
     warnings.filterwarnings("ignore", message="No index file found")

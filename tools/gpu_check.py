@@ -23,6 +23,7 @@ import json
 import sys
 import tempfile
 import time
+import types
 
 import torch
 
@@ -53,8 +54,9 @@ def parity(spec: str, preset: str, positions: int) -> dict:
     from parallel.checkpoint.convert import load_hf_into_chunks
     from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.forward import megatron_logits
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -111,17 +113,21 @@ def training(spec: str, preset: str, seq: int, micro_batch: int, micro_batches: 
     """Tokens/s of bf16 training steps (fp32 main grads, distributed optimizer) through megatron's schedule."""
     from megatron.core import parallel_state
 
-    from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
+    from megarl.training import build_optimizer, train_step, wrap_ddp
     from model_specs.presets import hf_config_dict
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout(use_distributed_optimizer=True)
     initialize_megatron(layout)
     hf = hf_config_dict(preset, max_position_embeddings=max(seq, 2048))
     start = time.perf_counter()
     chunks = wrap_ddp(build_model_chunks(hf, layout, params_dtype=torch.bfloat16, layer_spec=spec), layout)
-    optimizer = build_optimizer(chunks, OptimConfig(lr=1e-5), layout)
+    # megarl.training.AdamSettings as a plain object: megarl.config's OptimSettings needs pydantic,
+    # which the GPU machine's image need not have (ci/gpu_wheels.sh carries megatron-core alone).
+    adam = types.SimpleNamespace(lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, clip_grad=1.0)
+    optimizer = build_optimizer(chunks, adam, layout)
     build_s = time.perf_counter() - start
     generator = torch.Generator().manual_seed(0)
 

@@ -12,8 +12,9 @@
 * ``errors``: ``ConfigError`` and the translation of pydantic's errors into its lines.
 
 Every problem is a ``ConfigError`` (a ValueError) with one line per problem, naming the dotted
-key, the bad value and the fix. Importing this package does not import torch; validation does
-(through ``parallel.layout`` and the algorithm registry).
+key, the bad value and the fix. Importing this package does not import torch (the layouts are
+``parallel.layout.MegatronLayout``, which does not either); validation does (through the model
+families of ``model_specs`` and the algorithm registry).
 """
 
 from megarl.config.errors import ConfigError
@@ -39,7 +40,6 @@ from megarl.config.schema import (
     DynamicSamplingConfig,
     KLLossConfig,
     KLPenaltyConfig,
-    LayoutConfig,
     ModelConfig,
     OptimSettings,
     OverlongPenaltyConfig,
@@ -62,7 +62,7 @@ def validate_config(config: RunConfig, *, check_files: bool = True, mode: str = 
 
 __all__ = [
     "CONFIGS_DIR", "RESOLVED_NAME", "ActorConfig", "AlgorithmConfig", "ClusterConfig", "ConfigError",
-    "CriticConfig", "DataConfig", "DynamicSamplingConfig", "KLLossConfig", "KLPenaltyConfig", "LayoutConfig",
+    "CriticConfig", "DataConfig", "DynamicSamplingConfig", "KLLossConfig", "KLPenaltyConfig",
     "ModelConfig", "OptimSettings", "OverlongPenaltyConfig", "RefConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
     "RunConfig", "SFTConfig", "TrainerConfig", "apply_override", "compose", "deep_merge", "from_dict", "load_config",
     "parse_value", "save_resolved", "to_dict", "to_yaml", "validate_config",

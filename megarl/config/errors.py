@@ -73,13 +73,24 @@ class _Place:
     valid: list[str] | None = None  # set for an unknown key: the section's keys
 
 
+def section_fields(cls: type) -> dict[str, FieldInfo]:
+    """A section's fields as pydantic sees them: a pydantic dataclass's own, or those pydantic
+    makes of a plain dataclass's (``parallel.layout.MegatronLayout``: annotation, default and
+    ``metadata``)."""
+    fields = getattr(cls, "__pydantic_fields__", None)
+    if fields is None:
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: FieldInfo.from_annotated_attribute(hints[f.name], f) for f in dataclasses.fields(cls)}
+    return fields
+
+
 def _place(root: type, loc: tuple) -> _Place:
     place = _Place("", root)
     for part in loc:
         tp = _plain(place.tp)
         name = str(part)
         if dataclasses.is_dataclass(tp):
-            fields = tp.__pydantic_fields__
+            fields = section_fields(tp)
             place.key += ("." if place.key else "") + name
             if name not in fields:
                 place.valid = list(fields)
@@ -105,7 +116,7 @@ def field_path(root: type, loc: tuple) -> tuple[str, ...]:
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
     """Every dotted key (sections and leaves) of a section class."""
     keys = []
-    for name, info in cls.__pydantic_fields__.items():
+    for name, info in section_fields(cls).items():
         keys.append(prefix + name)
         if dataclasses.is_dataclass(_plain(info.annotation)):
             keys.extend(_all_keys(_plain(info.annotation), f"{prefix}{name}."))

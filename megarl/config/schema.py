@@ -7,8 +7,10 @@ nested section), so the whole tree round-trips through YAML. Names a registry de
 strings here and are checked against their registries by ``megarl.config.validate``.
 
 The sections are pydantic dataclasses (still ``dataclasses``: ``fields``/``asdict``/``replace``
-work). Pydantic converts YAML values into them, strictly enough to refuse the classic mistakes
-(``"1e-6"`` for a number, ``1`` for a boolean, an unknown key): see ``Int``/``Float``/``Bool``.
+work), except the Megatron layouts: those are ``parallel.layout.MegatronLayout``, the frozen
+dataclass the code itself takes, validated by pydantic like the rest (``Layout``). Pydantic
+converts YAML values into them, strictly enough to refuse the classic mistakes (``"1e-6"`` for a
+number, ``1`` for a boolean, an unknown key): see ``Int``/``Float``/``Bool``.
 Each field's own bounds are declared on the field with ``bounded(...)``, together with the
 problem and fix of its one-line error (``megarl.config.errors.problems_of``); checks that involve
 several fields live in ``megarl.config.validate``.
@@ -23,12 +25,15 @@ hybrid engine) or run on their own (``placement: separate`` with ``rollout.pool`
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import field
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict, StrictBool, model_validator
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
+
+from parallel.layout import MegatronLayout
 
 DEFAULT_POOL = "global"
 
@@ -92,33 +97,20 @@ class ModelConfig(_Section):
     tokenizer: str | None = None
 
 
-@dataclass
-class LayoutConfig(_Section):
-    """A Megatron layout (``parallel.layout.MegatronLayout``); DP is what the pool leaves over."""
+_LAYOUT_INTS = frozenset(name for name, tp in typing.get_type_hints(MegatronLayout).items() if tp in (int, int | None))
 
-    tp: Int = 1
-    pp: Int = 1
-    vpp: Int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); null = off
-    cp: Int = 1
-    sequence_parallel: Bool = False
-    use_distributed_optimizer: Bool = False
-    # MoE models: expert parallelism (whole experts over ep ranks) and expert tensor parallelism
-    # (each expert over etp ranks), carved from a stage's tp*cp*dp ranks
-    ep: Int = 1
-    etp: Int = 1
 
-    def __str__(self) -> str:
-        """Short form for messages and logs, e.g. ``tp=2 pp=2 vpp=2 cp=1 sp``."""
-        extras = ([f"vpp={self.vpp}"] if self.vpp else []) + (["sp"] if self.sequence_parallel else []) + (
-            ["dist-opt"] if self.use_distributed_optimizer else []) + (
-            [f"ep={self.ep}"] if self.ep > 1 else []) + ([f"etp={self.etp}"] if self.etp > 1 else [])
-        return " ".join([f"tp={self.tp} pp={self.pp} cp={self.cp}", *extras])
+def _integral_floats_as_ints(value: Any) -> Any:
+    """A layout mapping with its integer fields' integral floats as ints, as ``Int`` takes them."""
+    if not isinstance(value, dict):
+        return value
+    return {k: _integral_float_as_int(v) if k in _LAYOUT_INTS else v for k, v in value.items()}
 
-    def to_megatron(self):
-        """The ``parallel.layout.MegatronLayout`` of this section (imports torch)."""
-        from parallel.layout import MegatronLayout
 
-        return MegatronLayout(**dataclasses.asdict(self))
+# A Megatron layout: ``parallel.layout.MegatronLayout`` itself, the type the code uses (strict
+# fields and unknown keys refused: its ``__pydantic_config__`` and field metadata); DP is what the
+# pool leaves over. A section of the config like the others, but not a pydantic dataclass.
+Layout = Annotated[MegatronLayout, BeforeValidator(_integral_floats_as_ints)]
 
 
 _Beta = Annotated[Float, Field(ge=0, lt=1)]
@@ -126,7 +118,9 @@ _Beta = Annotated[Float, Field(ge=0, lt=1)]
 
 @dataclass
 class OptimSettings(_Section):
-    """Adam with gradient clipping and a learning-rate schedule, for one trainable model."""
+    """Adam with gradient clipping and a learning-rate schedule, for one trainable model: what
+    ``megarl.training.build_optimizer`` takes (its ``AdamSettings``) and the schedule the worker
+    applies (``megarl.workers.megatron_worker.learning_rate``)."""
 
     lr: Float = bounded(1e-6, gt=0, problem="the learning rate must be > 0", fix="set a positive value such as 1e-6")
     betas: tuple[_Beta, _Beta] = bounded((0.9, 0.999), problem="Adam betas must be in [0, 1)",
@@ -138,15 +132,6 @@ class OptimSettings(_Section):
     lr_warmup_steps: Int = bounded(0, ge=0, fix="use 0 for none")  # optimizer steps of linear warm-up from 0
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, towards min_lr
     min_lr: Float = 0.0  # in [0, lr] (two fields: validate)
-
-    def to_optim_config(self):
-        """The ``megarl.training.OptimConfig`` of this section (imports torch)."""
-        from megarl.training import OptimConfig
-
-        return OptimConfig(
-            lr=self.lr, weight_decay=self.weight_decay, adam_beta1=self.betas[0], adam_beta2=self.betas[1],
-            adam_eps=self.eps, clip_grad=self.clip_grad,
-        )
 
 
 @dataclass
@@ -164,7 +149,7 @@ class ActorConfig(_Section):
     """The trained policy: where it runs, how it is split and optimised, and its loss."""
 
     pool: str = DEFAULT_POOL
-    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    layout: Layout = field(default_factory=MegatronLayout)
     optim: OptimSettings = field(default_factory=OptimSettings)
     # Samples per micro-batch; ignored when max_tokens_per_micro_batch is set (token-budget
     # micro-batches, balanced over data-parallel ranks).
@@ -208,7 +193,7 @@ class CriticConfig(_Section):
     enabled: Bool = False
     model_path: str | None = None  # null = initialised from model.path
     pool: str | None = None  # null = actor.pool
-    layout: LayoutConfig | None = None  # null = actor.layout
+    layout: Layout | None = None  # null = actor.layout
     optim: OptimSettings = field(default_factory=lambda: OptimSettings(lr=1e-5))
     micro_batch_size: Int = bounded(1, ge=1, fix="use e.g. 1")
     max_tokens_per_micro_batch: Int | None = None
@@ -225,7 +210,7 @@ class RefConfig(_Section):
 
     enabled: Bool = False
     pool: str | None = None  # null = actor.pool
-    layout: LayoutConfig | None = None  # null = actor.layout
+    layout: Layout | None = None  # null = actor.layout
     micro_batch_size: Int = bounded(1, ge=1, fix="use e.g. 1")  # forward-only micro-batches
 
 
@@ -238,7 +223,7 @@ class RewardModelConfig(_Section):
     enabled: Bool = False
     model_path: str | None = None  # required when enabled; same tokenizer (vocabulary) as the policy
     pool: str | None = None  # null = actor.pool
-    layout: LayoutConfig | None = None  # null = actor.layout
+    layout: Layout | None = None  # null = actor.layout
     micro_batch_size: Int = bounded(1, ge=1, fix="use e.g. 1")  # forward-only micro-batches
 
 
@@ -508,7 +493,7 @@ class RunConfig(_Section):
         own = getattr(self, role).pool
         return self.actor.pool if own is None else own
 
-    def layout_for(self, role: str) -> LayoutConfig:
+    def layout_for(self, role: str) -> MegatronLayout:
         """The Megatron layout of a trained or forward-only role ("actor", "critic", "ref", "reward_model")."""
         if role not in MEGATRON_ROLES:
             raise ValueError(f"role {role!r} has no Megatron layout; roles with one: actor, critic, ref, reward_model")

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config.errors import ConfigError, field_problems, show
-from megarl.config.schema import MEGATRON_ROLES, LayoutConfig, RunConfig
+from megarl.config.schema import MEGATRON_ROLES, RunConfig
+from parallel.layout import LayoutError, MegatronLayout
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
 # Keys whose bad values make the parallel-size cross-checks meaningless.
@@ -224,12 +225,10 @@ def _reward_model_config(cfg: RunConfig, p: _Problems, policy_hf: dict | None) -
     return hf
 
 
-def _check_layout(cfg: RunConfig, p: _Problems, role: str, layout: LayoutConfig, world: int, pool: str,
+def _check_layout(cfg: RunConfig, p: _Problems, role: str, layout: MegatronLayout, world: int, pool: str,
                   hf_config: dict | None) -> bool:
-    from parallel.layout import LayoutError
-
     try:
-        layout.to_megatron().validate(world, hf_config)
+        layout.validate(world, hf_config)
     except LayoutError as exc:
         msg = str(exc)
         key = f"{role}.layout" if getattr(cfg, role).layout is not None else "actor.layout"
@@ -252,7 +251,7 @@ def _pool_origin(cfg: RunConfig, pool: str) -> str:
     return f"cluster.nodes={c.nodes} x {per}; change these or the layout"
 
 
-def _micro_batch_checks(cfg: RunConfig, p: _Problems, role: str, layout: LayoutConfig, world: int) -> None:
+def _micro_batch_checks(cfg: RunConfig, p: _Problems, role: str, layout: MegatronLayout, world: int) -> None:
     """Samples per optimizer step split evenly over DP ranks and micro-batches; VPP needs the
     micro-batch count to be a multiple of PP (megatron's interleaved 1F1B schedule)."""
     section = getattr(cfg, role)

@@ -25,24 +25,24 @@ def model_specs(cfg: RunConfig, model_dir: str) -> list:
                               kl_estimator=kl.estimator, kl_clamp=kl.clamp,
                               mismatch_bounds=None if recomputes_old_logp(cfg) else (correction.low, correction.high))
     packed, shared = a.sequence_packing, cfg.shared_prompt_rows
-    specs = [ModelSpec("actor", model_dir, a.layout.to_megatron(),
+    specs = [ModelSpec("actor", model_dir, a.layout,
                        MicroBatching(a.micro_batch_size, a.max_tokens_per_micro_batch, packed, shared),
                        a.optim, cfg.trainer.total_steps * steps_per_rl_step, actor_loss, cfg.model.dtype,
                        routing_replay=a.routing_replay)]
     if cfg.needs_reference:
-        specs.append(ModelSpec("ref", model_dir, cfg.layout_for("ref").to_megatron(),
+        specs.append(ModelSpec("ref", model_dir, cfg.layout_for("ref"),
                                MicroBatching(cfg.ref.micro_batch_size, packed=packed, shared_prompts=shared),
                                dtype=cfg.model.dtype))
     if cfg.critic.enabled:
         c = cfg.critic
-        specs.append(ModelSpec("critic", c.model_path or model_dir, cfg.layout_for("critic").to_megatron(),
+        specs.append(ModelSpec("critic", c.model_path or model_dir, cfg.layout_for("critic"),
                                MicroBatching(c.micro_batch_size, c.max_tokens_per_micro_batch, packed, shared), c.optim,
                                cfg.trainer.total_steps * c.ppo_epochs * minibatches_per_step(cfg, c.mini_batch_size),
                                LossSettings(loss_agg_mode=c.loss_agg_mode, value_clip=c.value_clip,
                                             max_len=cfg.max_response_length), cfg.model.dtype))
     if cfg.reward_model.enabled:
         rm = cfg.reward_model
-        specs.append(ModelSpec("reward_model", rm.model_path, cfg.layout_for("reward_model").to_megatron(),
+        specs.append(ModelSpec("reward_model", rm.model_path, cfg.layout_for("reward_model"),
                                MicroBatching(rm.micro_batch_size, packed=packed, shared_prompts=shared),
                                dtype=cfg.model.dtype))
     imports = tuple(cfg.imports)  # what registers the losses a worker runs, imported there too

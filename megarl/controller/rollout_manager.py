@@ -34,7 +34,7 @@ def weight_sync_rounds(cfg: RunConfig, hf_config: dict, layer_spec: str = "local
     world, tp = cfg.world_size_for("actor"), cfg.rollout.tp
     rounds = separate_pool_rounds(world, tp) if cfg.rollout.placement == "separate" else [None]
     element_size = torch.tensor([], dtype=dtype_from_name(cfg.model.dtype)).element_size()
-    plans = [(ranks, plan_megatron_to_sglang(hf_config, cfg.actor.layout.to_megatron(), world, tp,
+    plans = [(ranks, plan_megatron_to_sglang(hf_config, cfg.actor.layout, world, tp,
                                              engine_ranks=ranks, element_size=element_size, layer_spec=layer_spec,
                                              rollout_ep=cfg.rollout.ep))
              for ranks in rounds]

@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from megarl.config.schema import MEGATRON_ROLES, VALUE_ROLES
+from megarl.config.schema import MEGATRON_ROLES, VALUE_ROLES, OptimSettings
 from megarl.workers.batch import (
     MicroBatching,
     data_parallel_rows,
@@ -39,6 +39,7 @@ from megarl.workers.batch import (
 )
 from megarl.workers.losses import LossSettings, actor_loss, critic_loss, loss_share
 from model_specs import num_experts
+from parallel.layout import MegatronLayout
 
 
 @dataclasses.dataclass
@@ -47,9 +48,9 @@ class ModelSpec:
 
     role: str
     hf_dir: str  # the initial weights (HF safetensors)
-    layout: Any  # parallel.layout.MegatronLayout
+    layout: MegatronLayout
     batching: MicroBatching = dataclasses.field(default_factory=MicroBatching)
-    optim: Any = None  # megarl.config.schema.OptimSettings; None = frozen (reference)
+    optim: OptimSettings | None = None  # None = frozen (reference)
     total_optimizer_steps: int = 1  # for the learning-rate schedule
     loss: LossSettings = dataclasses.field(default_factory=LossSettings)
     dtype: str = "float32"
@@ -62,7 +63,7 @@ class ModelSpec:
     imports: tuple[str, ...] = ()
 
 
-def learning_rate(optim, step: int, total_steps: int) -> float:
+def learning_rate(optim: OptimSettings, step: int, total_steps: int) -> float:
     """``optim.lr`` after ``step`` optimizer steps: linear warm-up, then constant/linear/cosine
     decay towards ``optim.min_lr`` at ``total_steps``."""
     import math
@@ -153,8 +154,8 @@ class MegatronWorker:
         from model_specs.base import dtype_from_name
         from parallel.checkpoint.convert import load_hf_into_chunks
         from parallel.checkpoint.hf_io import HFCheckpoint, chunks_layer_spec
-        from parallel.layout import initialize_megatron
         from parallel.models import build_model_chunks
+        from parallel.process_groups import initialize_megatron
 
         if spec.role not in MEGATRON_ROLES:
             raise ValueError(f"unknown role {spec.role!r}; roles: {list(MEGATRON_ROLES)}")
@@ -188,7 +189,7 @@ class MegatronWorker:
         optimizer = None
         if spec.optim is not None:
             chunks = wrap_ddp(chunks, spec.layout)
-            optimizer = build_optimizer(chunks, spec.optim.to_optim_config(), spec.layout)
+            optimizer = build_optimizer(chunks, spec.optim, spec.layout)
         else:
             for chunk in chunks:
                 chunk.requires_grad_(False)

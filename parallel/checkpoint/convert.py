@@ -291,7 +291,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, layout: MegatronLayout, verify: bo
     from parallel.checkpoint.dist_ckpt import write_megatron_checkpoint
     from parallel.checkpoint.hf_io import INDEX_FILE, tensor_checksum
     from parallel.checkpoint.stream import read_hf_tensors, save_streamed
-    from parallel.layout import initialize_megatron
+    from parallel.process_groups import initialize_megatron
 
     start = time.monotonic()
     check_layer_spec(layer_spec)
@@ -352,7 +352,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, layout: MegatronLayout, verify: 
     from parallel.checkpoint.dist_ckpt import read_checkpoint_metadata
     from parallel.checkpoint.hf_io import write_hf_checkpoint
     from parallel.checkpoint.stream import read_hf_tensors, stored_dtype
-    from parallel.layout import initialize_megatron
+    from parallel.process_groups import initialize_megatron
 
     start = time.monotonic()
     metadata = read_checkpoint_metadata(ckpt_dir)

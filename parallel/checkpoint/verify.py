@@ -113,7 +113,7 @@ def verify_on_rank(path_a: str, path_b: str, layout: MegatronLayout) -> dict[str
     """Entry point of one verification rank (torch.distributed initialised)."""
     from megatron.core import parallel_state
 
-    from parallel.layout import initialize_megatron
+    from parallel.process_groups import initialize_megatron
 
     initialize_megatron(layout)
     try:

@@ -20,7 +20,7 @@ Patches (name -> why):
   not call ``torch.manual_seed``: that calls ``torch.cuda.manual_seed_all`` and recurses.)
 - ``tensor_type``: ``Tensor.type()`` with no argument reports ``torch.cuda.FloatTensor`` (etc.) for
   CPU tensors: gradient clipping and the distributed optimizer assert that name.
-- ``GLOO_CONFIG_OVERRIDES`` (TransformerConfig fields, applied by parallel.layout on CPU):
+- ``GLOO_CONFIG_OVERRIDES`` (TransformerConfig fields, applied by parallel.models on CPU):
   ``batch_p2p_comm=False``. With PP=2 a rank's previous and next stage are the same peer; gloo
   matches batched isend/irecv by order with one tag, so under the interleaved (VPP) schedule
   an activation and a gradient sent together are swapped (grads 100x off). Megatron's unbatched

@@ -77,8 +77,8 @@ def _rank_numels(cases):
     """Parameters megatron builds on this rank for each (hf, layout), one after the other."""
     from megatron.core import parallel_state
 
-    from parallel.layout import initialize_megatron
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     numels = []
     for hf, layout in cases:

@@ -10,9 +10,10 @@ def shared_prefix_logits(hf_dir, tokens, position_ids, segments):
 
     from parallel.checkpoint.convert import load_hf_into_chunks
     from parallel.checkpoint.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
     from parallel.modules.shared_prefix import rotary_positions
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout()
     initialize_megatron(layout)

@@ -50,7 +50,7 @@ class Section:
 
 
 def _names_in(node: ast.AST | None) -> set[str]:
-    """Identifiers in an annotation (``LayoutConfig | None``, ``"RunConfig"``, ``list[X]``)."""
+    """Identifiers in an annotation (``Layout | None``, ``"RunConfig"``, ``list[X]``)."""
     if node is None:
         return set()
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -248,21 +248,22 @@ def test_the_schema_parse_is_the_dataclasses():
         for path in where:
             obj = schema.RunConfig()
             for part in path:
-                obj = getattr(obj, part) or getattr(schema, sections[name].name)()  # a null layout: its class
+                obj = getattr(obj, part) or getattr(schema, sections[name].name)()  # a null section: its class
             assert type(obj).__name__ == name
-    assert len(paths) == 21 and paths["LayoutConfig"][:2] == [("actor", "layout"), ("critic", "layout")]
+    assert len(paths) == 20
+    # The layouts are not sections of the schema but the code's own type, parallel.layout.MegatronLayout.
+    assert type(schema.RunConfig().actor.layout).__name__ == "MegatronLayout" and "layout" not in sections["ActorConfig"].children
 
 
 def test_a_new_unread_key_in_the_real_schema_is_caught():
     """What the test says when someone adds a key and forgets to wire it: the schema with new
-    fields, some named like keys other sections have, against the real code. (A new layout key is
-    read: ``LayoutConfig.to_megatron`` passes them all to ``MegatronLayout``, which must take it.)"""
+    fields, some named like keys other sections have, against the real code. (The layouts are not
+    in the schema: they are ``parallel.layout.MegatronLayout``, the type the code itself takes.)"""
     source = SCHEMA.read_text()
     for section, line in (("RolloutConfig", "    speculative_tokens: Int = 0\n"),
                           ("TrainerConfig", "    enabled: Bool = True\n"),  # `.enabled` is read for other sections
                           ("MultiTurnConfig", "    tp: Int = 1\n"),  # and `.tp` for the layouts and the rollout
-                          ("OptimSettings", "    foreach: Bool = True\n"),
-                          ("LayoutConfig", "    cp_comm_type: str = \"p2p\"\n")):
+                          ("OptimSettings", "    foreach: Bool = True\n")):
         head = f"class {section}(_Section):\n"
         start = source.index(head)
         body = source.index('"""\n', source.index('"""', start + len(head)) + 3) + 4  # after the docstring

@@ -219,12 +219,12 @@ def _constrained(tp) -> bool:
 def test_every_bounded_field_declares_the_fix_of_its_error():
     import dataclasses
 
-    from megarl.config.errors import _plain
+    from megarl.config.errors import _plain, section_fields
 
     unfixed, todo = [], [("", RunConfig)]
     while todo:
         prefix, cls = todo.pop()
-        for name, info in cls.__pydantic_fields__.items():
+        for name, info in section_fields(cls).items():
             inner = _plain(info.annotation)
             if dataclasses.is_dataclass(inner):
                 todo.append((f"{prefix}{name}.", inner))

@@ -88,6 +88,6 @@ def test_preset_loads_and_validates(name, tmp_path, data_file):
 def test_the_70b_config_is_the_planned_run(data_file):
     config = load_config(CONFIGS_DIR / "llama3_70b_grpo_32x8.yaml", [f"data.train_files=[{data_file}]"])
     assert config.cluster.world_size == 256 and config.world_size_for("actor") == 256
-    layout = config.actor.layout.to_megatron()
+    layout = config.actor.layout
     assert layout.data_parallel_size(256) == 8 and layout.tp == 8 and layout.pp == 4
     assert config.model.dtype == "bfloat16" and config.rollout.tp == 8

@@ -12,12 +12,14 @@ def train_one_step_then_reshard(hf_dir, layout_kwargs, rollout_tps, export_dir):
     Returns {rollout_tp: this device's SGLang buffers}."""
     from megatron.core import parallel_state
 
+    from megarl.config.schema import OptimSettings
     from megarl.data.synthetic import arithmetic_sequence_batches
-    from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
+    from megarl.training import build_optimizer, train_step, wrap_ddp
     from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
     from parallel.checkpoint.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
     from parallel.reshard.execute import execute_plan
     from parallel.reshard.plan import plan_megatron_to_sglang
 
@@ -27,7 +29,7 @@ def train_one_step_then_reshard(hf_dir, layout_kwargs, rollout_tps, export_dir):
     chunks = build_model_chunks(ckpt.config, layout)
     load_hf_into_chunks(chunks, ckpt, layout)
     chunks = wrap_ddp(chunks, layout)
-    optimizer = build_optimizer(chunks, OptimConfig(lr=1e-2), layout)
+    optimizer = build_optimizer(chunks, OptimSettings(lr=1e-2, weight_decay=0.0), layout)
     batches = arithmetic_sequence_batches(ckpt.config["vocab_size"], 2, 2, 16, seed=9)
     train_step(chunks, optimizer, batches, 16)
     export_hf_checkpoint(chunks, ckpt.config, layout, export_dir)

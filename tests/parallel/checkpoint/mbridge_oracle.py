@@ -11,7 +11,7 @@ overrides, kept here (test code) and not in the library, make it work on megatro
    maps the local names to the TE names before its own HF-name lookup.
 2. Vocab sizes. mbridge sets its ``vocab_size`` / ``padded_vocab_size`` inside its own model
    provider (which hard-codes the TE spec, and reads ``hf_config.rope_theta``, gone in
-   transformers 5); the chunks here are built by ``parallel.layout.build_model_chunks``, so the
+   transformers 5); the chunks here are built by ``parallel.models.build_model_chunks``, so the
    two sizes are set from the HF config and Megatron's padding rule (multiple of 128 * TP).
 
 A third override works around an mbridge bug rather than the spec: Qwen2's bridge ties the
@@ -35,7 +35,7 @@ import torch
 from model_specs import padded_vocab_size
 from parallel.layout import MegatronLayout
 
-MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # megarl's default (parallel.layout.build_model_chunks)
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # megarl's default (parallel.models.build_model_chunks)
 
 # megatron local-spec parameter suffix -> the TE-spec name mbridge's mapping tables know.
 LOCAL_TO_TE_NORM_NAMES = {
@@ -119,8 +119,8 @@ def compare_loads_and_exports(jobs: list[tuple[str, str, str, bool]], layouts: l
 
     from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
     from parallel.checkpoint.hf_io import HFCheckpoint, chunks_layer_spec
-    from parallel.layout import initialize_megatron
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     # mbridge writes no index for single-file checkpoints and says so; nothing is missing.
     warnings.filterwarnings("ignore", message="No index file found")

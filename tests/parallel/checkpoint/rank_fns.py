@@ -13,8 +13,9 @@ def convert_roundtrip(jobs, layout_kwargs, tokens):
     from parallel.checkpoint.convert import export_hf_checkpoint, load_hf_into_chunks
     from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.forward import megatron_logits
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout(**layout_kwargs)
     initialize_megatron(layout)
@@ -41,8 +42,9 @@ def checkpoint_logits(hf_dir, ckpt_dir, layout_kwargs, tokens):
     from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata, save_megatron_checkpoint
     from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.forward import megatron_logits
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout(**layout_kwargs)
     initialize_megatron(layout)
@@ -76,7 +78,8 @@ def logit_probe(ckpt_dir, hf_dir, layout_kwargs, **probe_kwargs):
 
     from parallel.checkpoint.convert import logit_probe
     from parallel.checkpoint.errors import CheckpointError
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout(**layout_kwargs)
     initialize_megatron(layout)

@@ -105,8 +105,9 @@ def dist_checkpoint_checks(hf_dir: str, te_ckpt: str, model_save_dir: str, layou
     from parallel.checkpoint.convert import load_hf_into_chunks
     from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, save_megatron_checkpoint
     from parallel.checkpoint.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
     from tests.parallel.checkpoint.mbridge_oracle import bridge_for, fill_with_nan
 
     layout = MegatronLayout(**layout_kwargs)

@@ -30,8 +30,9 @@ def save_both_ways(hf_dir, old_dir, new_dir, layout_kwargs):
     from parallel.checkpoint.convert import load_hf_into_chunks
     from parallel.checkpoint.dist_ckpt import save_megatron_checkpoint, write_megatron_checkpoint
     from parallel.checkpoint.stream import save_streamed
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout(**layout_kwargs)
     initialize_megatron(layout)
@@ -49,8 +50,9 @@ def load_and_export(ckpt_dir, export_dir, layout_kwargs):
 
     from parallel.checkpoint.convert import export_hf_checkpoint
     from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, read_checkpoint_metadata
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout(**layout_kwargs)
     initialize_megatron(layout)

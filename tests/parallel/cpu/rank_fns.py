@@ -17,11 +17,13 @@ def megatron_device_calls():
 def first_step_grad_norm(layout_kwargs, untag_sequence_parallel_norms=False, config_overrides=None):
     """Grad norm of one training step of the tiny model from the layout-independent init, and
     the norm of the RMSNorm weights' gradients alone (replicated across TP, so per-rank)."""
+    from megarl.config.schema import OptimSettings
     from megarl.data.synthetic import arithmetic_sequence_batches
-    from megarl.training import OptimConfig, build_optimizer, train_step, wrap_ddp
+    from megarl.training import build_optimizer, train_step, wrap_ddp
     from model_specs.presets import hf_config_dict
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks, init_params_layout_independent
+    from parallel.process_groups import initialize_megatron
 
     layout = MegatronLayout(**layout_kwargs)
     hf = hf_config_dict("tiny-llama")
@@ -34,7 +36,10 @@ def first_step_grad_norm(layout_kwargs, untag_sequence_parallel_norms=False, con
                 if "layernorm" in name:
                     param.sequence_parallel = False
     chunks = wrap_ddp(chunks, layout)
-    optimizer = build_optimizer(chunks, OptimConfig(lr=0.0, clip_grad=1e9), layout)
+    # What this returns are the step's gradients: the grad norm is taken before the update and the
+    # update reads the grads without writing them (no clipping under a norm of 1e9, no weight
+    # decay), so the learning rate does not enter.
+    optimizer = build_optimizer(chunks, OptimSettings(weight_decay=0.0, clip_grad=1e9), layout)
     batches = arithmetic_sequence_batches(hf["vocab_size"], 4, 2, 16, seed=3)
     grad_norm = train_step(chunks, optimizer, batches, 16)["grad_norm"]
     norm_grads = [p.main_grad for c in chunks for n, p in c.module.named_parameters() if "layernorm" in n]
@@ -110,7 +115,8 @@ def megatron_linear_pair(x, col_weight, col_bias, row_weight, grad_out, frozen):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
+    from parallel.process_groups import initialize_megatron
 
     tp, rank = dist.get_world_size(), dist.get_rank()
     initialize_megatron(MegatronLayout(tp=tp))

@@ -43,9 +43,10 @@ def packed_logprobs(layouts, lengths, seed):
     from megatron.core import parallel_state
 
     from model_specs.presets import hf_config_dict
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks, init_params_layout_independent
     from parallel.modules.packing import pack_sequences, unpack
+    from parallel.process_groups import initialize_megatron
 
     hf = hf_config_dict("tiny-qwen2")
     vocab = hf["vocab_size"]
@@ -95,9 +96,10 @@ def packed_loss_grads(lengths, seed):
     from megatron.core import parallel_state
 
     from model_specs.presets import hf_config_dict
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks, init_params_layout_independent
     from parallel.modules.packing import pack_sequences, unpack
+    from parallel.process_groups import initialize_megatron
 
     hf = hf_config_dict("tiny-qwen2")
     vocab = hf["vocab_size"]
@@ -140,8 +142,9 @@ def vocab_parallel_slice_outputs(logits, targets, vocab_size, grad_logp, grad_en
     with respect to the slice."""
     from megatron.core import parallel_state
 
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.modules.vocab_parallel import vocab_parallel_log_probs
+    from parallel.process_groups import initialize_megatron
 
     initialize_megatron(MegatronLayout(tp=dist.get_world_size()))
     local = logits.shape[-1] // dist.get_world_size()

@@ -29,8 +29,8 @@ def attention_vs_megatron(cp: int, cases: list[tuple[int, int]], seed: int = 0) 
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from parallel.layout import initialize_megatron
     from parallel.modules.context_parallel import ContextParallelAttention, context_parallel_attention, token_positions
+    from parallel.process_groups import initialize_megatron
 
     initialize_megatron(MegatronLayout(cp=cp))
     cp_group = parallel_state.get_context_parallel_group()

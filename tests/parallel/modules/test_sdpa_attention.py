@@ -55,8 +55,8 @@ def sdpa_vs_megatron(tp: int, seed: int = 0) -> dict:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from parallel.layout import initialize_megatron
     from parallel.modules.sdpa_attention import SDPAttention
+    from parallel.process_groups import initialize_megatron
 
     initialize_megatron(MegatronLayout(tp=tp))
     rank = parallel_state.get_tensor_model_parallel_rank()

@@ -130,8 +130,9 @@ def critic_on_rank(hf_dirs, layouts, ckpt_root):
     from parallel.checkpoint.dist_ckpt import load_megatron_checkpoint, save_megatron_checkpoint
     from parallel.checkpoint.hf_io import HFCheckpoint
     from parallel.forward import megatron_values
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks, build_value_model_chunks, init_value_head, value_heads
+    from parallel.process_groups import initialize_megatron
 
     per_layout = {}
     for layout_name in layouts:

@@ -13,8 +13,9 @@ def reshard_megatron_to_sglang(hf_dir, layout_kwargs, rollout_tp, bucket_bytes, 
 
     from parallel.checkpoint.convert import load_hf_into_chunks
     from parallel.checkpoint.hf_io import HFCheckpoint
-    from parallel.layout import MegatronLayout, initialize_megatron
+    from parallel.layout import MegatronLayout
     from parallel.models import build_model_chunks
+    from parallel.process_groups import initialize_megatron
     from parallel.reshard.execute import execute_plan
     from parallel.reshard.plan import plan_megatron_to_sglang
 

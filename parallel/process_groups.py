@@ -1,0 +1,31 @@
+"""Megatron's process groups for a layout (``parallel.layout.MegatronLayout``) on ranks whose
+torch.distributed is initialised, and its model-parallel RNG seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.layout import MegatronLayout
+
+
+def initialize_megatron(layout: MegatronLayout, seed: int = 1234) -> None:
+    """Create megatron's process groups for ``layout`` (torch.distributed must be initialised)
+    and seed its model-parallel RNG tracker."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from parallel.cpu import compat as cpu_compat
+
+    cpu_compat.apply()
+    layout.validate(dist.get_world_size())
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
