@@ -151,8 +151,14 @@ def _convert(args: argparse.Namespace) -> int:
             import torch.distributed as dist
 
             from parallel.cpu import compat as cpu_compat
+            from parallel.process_groups import distributed_backend
 
-            dist.init_process_group("gloo" if cpu_compat.apply() else "nccl")
+            cpu_mode = cpu_compat.apply()
+            if not cpu_mode:  # the launcher's local rank picks this rank's GPU
+                import torch
+
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(distributed_backend(cuda_available=not cpu_mode))
             report = conversion_on_rank(args.direction, args.input, args.output, layout, not args.no_verify,
                                         layer_spec)
             dist.destroy_process_group()

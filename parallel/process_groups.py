@@ -8,6 +8,19 @@ import torch
 from parallel.layout import MegatronLayout
 
 
+def distributed_backend(cuda_available: bool | None = None) -> str:
+    """The ``torch.distributed.init_process_group`` backend of every rank: ``"gloo"`` without CUDA,
+    else ``"cpu:gloo,cuda:nccl"`` (default: whether CUDA is available now).
+
+    NCCL serves CUDA tensors only, and the code runs collectives on CPU tensors on GPU ranks too
+    (the data-parallel loss all-reduce, the reshard executor's send/recv buffers, the HF export's
+    gathers, the conversion checks): the device-mapped string sends each tensor to the backend of
+    its device, so neither kind raises on a GPU machine."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
+
+
 def initialize_megatron(layout: MegatronLayout, seed: int = 1234) -> None:
     """Create megatron's process groups for ``layout`` (torch.distributed must be initialised)
     and seed its model-parallel RNG tracker."""

@@ -1,4 +1,5 @@
-"""Run one function on N torch.distributed ranks (gloo on CPU, NCCL on GPUs) as local processes.
+"""Run one function on N torch.distributed ranks (gloo on CPU; on GPUs NCCL for CUDA tensors, gloo
+for CPU ones) as local processes.
 
 Used by the tests and by tools that run N ranks on one machine. Each rank is a fresh process
 (forked by a preloaded fork server without CUDA, spawned with it) in its own process group (so
@@ -75,12 +76,13 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, env, conn, init_distrib
             import torch.distributed as dist
 
             from parallel.cpu import compat as cpu_compat
+            from parallel.process_groups import distributed_backend
 
             cpu_mode = cpu_compat.apply()
-            if not cpu_mode:  # one GPU per rank, before NCCL picks the current device
+            if not cpu_mode:  # one GPU per rank (local rank = rank), before NCCL picks the current device
                 torch.cuda.set_device(rank % torch.cuda.device_count())
             dist.init_process_group(
-                backend="gloo" if cpu_mode else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                backend=distributed_backend(cuda_available=not cpu_mode), init_method=f"tcp://127.0.0.1:{port}",
                 rank=rank, world_size=world_size, timeout=timedelta(seconds=float(env.get("MEGARL_DIST_TIMEOUT_S", 120))),
             )
         result = fn(*args, **kwargs)

@@ -130,9 +130,14 @@ class MegatronWorker:
         if cpu_mode:
             keep_freed_host_memory()
         if not dist.is_initialized():
+            from parallel.process_groups import distributed_backend
+
+            # Ray gives a GPU worker one visible GPU: its local rank and device are 0, whatever its rank.
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                              WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-            dist.init_process_group(backend="gloo" if cpu_mode else "nccl",
+                              WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+            if not cpu_mode:
+                torch.cuda.set_device(0)
+            dist.init_process_group(backend=distributed_backend(cuda_available=not cpu_mode),
                                     init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

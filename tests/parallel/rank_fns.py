@@ -30,3 +30,48 @@ def start_grandchild_then_hang(pid_file):
     with open(f"{pid_file}.{os.getpid()}", "w") as handle:
         handle.write(str(child.pid))
     time.sleep(600)
+
+
+def cpu_collectives_rank(backend):
+    """Join a group on ``backend`` (env:// from run_on_ranks) and run every collective kind the code
+    runs on CPU tensors: all_reduce (float64, the DP loss and checks), isend/irecv pairs (the reshard
+    executor), send/recv (gather_hf_tensors), broadcast_object_list, all_gather_object, gather_object."""
+    dist.init_process_group(backend=backend, init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([rank + 0.5], dtype=torch.float64)
+    dist.all_reduce(total)
+    peer = 1 - rank
+    outgoing, incoming = torch.full((3,), float(rank)), torch.empty(3)
+    works = [dist.isend(outgoing, dst=peer), dist.irecv(incoming, src=peer)] if rank == 0 else \
+        [dist.irecv(incoming, src=peer), dist.isend(outgoing, dst=peer)]
+    for work in works:
+        work.wait()
+    sent = torch.arange(4, dtype=torch.bfloat16)
+    if rank == 1:
+        dist.send(sent, dst=0)
+        received = None
+    else:
+        received = torch.empty(4, dtype=torch.bfloat16)
+        dist.recv(received, src=1)
+    shared = [{"from": rank}] if rank == world - 1 else [None]
+    dist.broadcast_object_list(shared, src=world - 1)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"rank": rank})
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(rank * 10, gathered, dst=0)
+    return {"backend": str(dist.get_backend()), "all_reduce": total.item(), "dtype": str(total.dtype),
+            "received": incoming.tolist(), "sent_recv": None if received is None else received.float().tolist(),
+            "broadcast": shared[0], "all_gather": everyone, "gather": gathered}
+
+
+def megatron_worker_env_rank():
+    """Construct a MegatronWorker that joins the group itself (as under Ray); report its env."""
+    from megarl.workers.megatron_worker import MegatronWorker
+
+    os.environ.pop("LOCAL_RANK", None)  # run_on_ranks sets it; a Ray actor has none
+    worker = MegatronWorker(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            master_port=int(os.environ["MASTER_PORT"]), timeout_s=60)
+    probe = torch.tensor([1.0], dtype=torch.float64)
+    dist.all_reduce(probe)
+    return {"rank": worker.rank, "local_rank": os.environ.get("LOCAL_RANK"), "backend": str(dist.get_backend()),
+            "sum": probe.item()}
