@@ -19,8 +19,9 @@ all problems are collected and raised together as one ``ConfigError``. What is c
   estimators and dynamic sampling need rollout.n >= 2, prompt + response fit the model's
   positions;
 * valid settings a run does not implement yet: two layouts on one pool, an engine spanning nodes
-  or sharing ranks with a Megatron role on a separate pool (``_not_implemented_checks``), dynamic
-  sampling with generation ahead of training;
+  or sharing ranks with a Megatron role on a separate pool, colocated engines on GPUs whose
+  rollout.tp does not divide a node's GPUs (``_not_implemented_checks``), dynamic sampling with
+  generation ahead of training;
 * files: data files and a resume checkpoint exist (``check_files=False`` skips this).
 """
 
@@ -418,6 +419,12 @@ def _not_implemented_checks(cfg: RunConfig, p: _Problems) -> None:
     if r.placement == "separate" and per_node >= 1 and r.tp > per_node:
         p.add("rollout.tp", r.tp, f"an engine spanning nodes ({per_node} ranks each) on a separate pool is not "
               "implemented yet", f"use rollout.tp <= {per_node}")
+    reported = any(line.startswith("rollout.tp=") for line in p.lines)  # e.g. not dividing the pool
+    if r.placement == "colocated" and cfg.cluster.device == "gpu" and r.tp >= 1 and per_node % r.tp and not reported:
+        # megarl.controller.placement cuts each node's GPUs into engines of rollout.tp consecutive ones
+        p.add("rollout.tp", r.tp, f"colocated engines of {r.tp} GPUs do not divide a node's {per_node} GPUs "
+              "(cluster.gpus_per_node): an engine would straddle two nodes",
+              f"use a rollout.tp that divides {per_node} ({', '.join(map(str, _divisors(per_node)))})")
     for pool, roles in cfg.megatron_pools().items():
         first = roles[0]
         for role in roles[1:]:

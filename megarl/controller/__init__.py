@@ -7,6 +7,7 @@ Components, each in its own module, composed by the two trainers:
 - ``model_roles``: the ``ModelSpec`` of each Megatron role the run builds
 - ``rollout_manager``: the SGLang engines, generation (sync, streaming, partial, multi-turn) and
   the weight sync
+- ``placement``: which GPUs of a node each colocated engine uses (``base_gpu_id``)
 - ``checkpointer``: atomic checkpoints, resume (damaged-skip, elastic), HF export
 - ``step_metrics``: phase times, rewards, lags, throughput, TFLOP/s
 - ``dynamic_sampling``: DAPO's refill of a batch with informative groups

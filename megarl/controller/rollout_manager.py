@@ -91,13 +91,44 @@ class RolloutManager:
             num_engines = max(1, cfg.world_size_for("actor") // r.tp)  # one per rollout.tp of the actor's ranks
             engine_cls = ray.remote(num_cpus=0)(RolloutWorker)
             pg = self.workers.placements[cfg.actor.pool]
-            engines = [engine_cls.options(**in_bundle(pg, e * r.tp)).remote(*engine_args) for e in range(num_engines)]
+            if gpu:  # each engine on rollout.tp consecutive GPUs of one node, beside the ranks that hold them
+                placements = self._gpu_placements()
+                num_engines = len(placements)
+                engines = [engine_cls.options(**in_bundle(pg, p.bundle)).remote(
+                    self.model_dir, r.tp, cfg.model.dtype,
+                    {**engine_kwargs, "base_gpu_id": p.base_gpu_id, "env": {"CUDA_VISIBLE_DEVICES": p.visible_devices}})
+                    for p in placements]
+            else:
+                engines = [engine_cls.options(**in_bundle(pg, e * r.tp)).remote(*engine_args) for e in range(num_engines)]
         where = (f"on their own pool {r.pool!r}" if r.placement == "separate" else "colocated")
         rows = ("one per prompt, its samples as branches (shared prompts)" if cfg.shared_prompt_rows
                 else "one packed row per micro-batch" if cfg.actor.sequence_packing else "one per sample")
         replay = "; routing replay: the actor's routers use the engines' experts" if cfg.actor.routing_replay else ""
         self.log(f"megarl: {num_engines} SGLang engine(s) of TP={r.tp} {where}; rows: {rows}{replay}")
         return engines
+
+    def _gpu_placements(self) -> list:
+        """Colocated engines on GPUs: where each runs (``colocated_engine_placements``), from the node
+        and GPU Ray gave each of the actor's ranks (rank i is in bundle i of the actor's pool)."""
+        from megarl.controller.placement import PlacementError, colocated_engine_placements
+
+        actor = self.workers.role_workers["actor"]
+        reports = self.workers.gather([w.__ray_call__.remote(_where_rank_runs) for w in actor],
+                                      self.workers.names("actor"), "engine placement")
+        rank_gpus = []
+        for rank, (node, gpu_ids) in enumerate(reports):
+            if len(gpu_ids) != 1:
+                raise RunError(f"engine placement: Megatron rank {rank} of the actor holds GPUs {gpu_ids} (Ray), "
+                               "not one; each rank's bundle is {GPU: 1}")
+            rank_gpus.append((node, gpu_ids[0]))
+        try:
+            placements = colocated_engine_placements(rank_gpus, self.cfg.rollout.tp)
+        except PlacementError as exc:
+            raise RunError(f"engine placement: {exc}") from None
+        for e, p in enumerate(placements):
+            self.log(f"megarl: SGLang engine {e} on node {p.node[:12]}, GPUs {list(p.gpu_ids)} (Megatron ranks "
+                     f"{list(p.ranks)}; CUDA_VISIBLE_DEVICES={p.visible_devices}, base_gpu_id={p.base_gpu_id})")
+        return placements
 
     def _engine_names(self) -> list[str]:
         return [f"SGLang engine {e}" for e in range(len(self.engines))]
@@ -385,6 +416,15 @@ class RolloutManager:
                 ray.get(engine.shutdown.remote(), timeout=60)
             except Exception:  # noqa: BLE001 - best effort, then the process is killed
                 pass
+
+
+def _where_rank_runs(worker) -> tuple[str, list]:
+    """In a Megatron worker (``__ray_call__``): its Ray node id and the GPU ids Ray assigned it,
+    in the numbering of the node's ``CUDA_VISIBLE_DEVICES`` values (Ray sets the worker's
+    ``CUDA_VISIBLE_DEVICES`` to them, so its own torch device is always 0)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), list(ray.get_gpu_ids())
 
 
 def partial_rollout_metrics(versions: list[list[int]], step: int) -> dict[str, float]:

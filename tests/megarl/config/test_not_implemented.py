@@ -32,6 +32,10 @@ REFUSED = {
                     "rollout.pool=rollout", "rollout.mem_fraction_static=0.85"], ["rollout.tp=16"],
         "rollout.tp=16: an engine spanning nodes (8 ranks each) on a separate pool is not implemented yet; use "
         "rollout.tp <= 8"),
+    "a colocated engine straddling nodes": (
+        LLAMA_70B, [], ["rollout.tp=16"],
+        "rollout.tp=16: colocated engines of 16 GPUs do not divide a node's 8 GPUs (cluster.gpus_per_node): an "
+        "engine would straddle two nodes; use a rollout.tp that divides 8 (1, 2, 4, 8)"),
     "a Megatron role on the engines' pool": (
         QUICKSTART, [*SPLIT, "ref.enabled=true"], ["ref.pool=rollout"],
         'rollout.pool="rollout": is also the ref\'s pool, but engines on a separate pool need its ranks to themselves '
