@@ -28,8 +28,10 @@ def initialize_megatron(layout: MegatronLayout, seed: int = 1234) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     from parallel.cpu import compat as cpu_compat
+    from parallel.modules import local_spec
 
     cpu_compat.apply()
+    local_spec.apply()  # on every device: the local spec's SP norms and TE-less MoE router
     layout.validate(dist.get_world_size())
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

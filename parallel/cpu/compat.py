@@ -3,7 +3,8 @@
 megatron-core assumes CUDA in a handful of places. On a machine without a CUDA device,
 ``apply()`` installs the patches below, process-wide and idempotently; on a GPU machine it does
 nothing. Every patch is small, named, and has a test in tests/parallel/cpu/test_compat.py. Facts behind
-them: docs/cpu.md.
+them: docs/cpu.md. (The local spec's sequence-parallel norm and TE-less MoE router fixes are not
+CPU patches: ``parallel.modules.local_spec`` applies them on every device.)
 
 Patches (name -> why):
 - ``device_mode``: a TorchFunctionMode maps ``device="cuda"|"cuda:N"|N`` arguments of tensor
@@ -25,10 +26,6 @@ Patches (name -> why):
   matches batched isend/irecv by order with one tag, so under the interleaved (VPP) schedule
   an activation and a gradient sent together are swapped (grads 100x off). Megatron's unbatched
   path sends the two directions on two different groups and is exact.
-- ``sequence_parallel_norm``: the local spec's ``WrappedTorchNorm`` refuses sequence parallelism;
-  the norm itself is per-token so it is correct under SP as long as its parameters are tagged
-  ``sequence_parallel = True`` (then megatron all-reduces their grads over TP, as it does for the
-  fused norms). Without the tag the norm grads are wrong, which the test checks.
 - ``onednn_linear``: megatron's linear layers (``linear_with_grad_accumulation_and_async_allreduce``
   and ``linear_with_frozen_weight``) run their fp32 forward and input-gradient GEMMs through
   oneDNN (:class:`parallel.cpu.linear.LinearFunction`) where it is faster than MKL's SGEMM on
@@ -36,9 +33,6 @@ Patches (name -> why):
   Sequence parallelism, gradient-accumulation fusion and deferred weight gradients keep
   megatron's own function. Tested in tests/parallel/cpu/test_linear.py (TP=1/2 against a float64
   oracle).
-- ``moe_without_te``: megatron-core 0.16's MoE router GEMM (``moe_utils.RouterGatingLinearFunction``)
-  tests ``te_general_gemm is not None``, a name that only exists when Transformer Engine imports
-  (a NameError without it); it is defined as None, which selects the function's own torch GEMM.
 """
 
 from __future__ import annotations
@@ -211,28 +205,6 @@ def _patch_tensor_type() -> None:
     torch.Tensor.type = tensor_type
 
 
-def _patch_sequence_parallel_norm() -> None:
-    from megatron.core.transformer import torch_norm
-
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, eps, **kwargs)
-        # Build the same norm with SP switched off for the assert only, then tag the parameters
-        # so megatron all-reduces their gradients across the TP group.
-        config.sequence_parallel = False
-        try:
-            norm = original_new(cls, config, hidden_size, eps, **kwargs)
-        finally:
-            config.sequence_parallel = True
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = new
-
-
 def _patch_onednn_linear() -> None:
     from megatron.core.tensor_parallel import layers
 
@@ -267,21 +239,12 @@ def _patch_onednn_linear() -> None:
     layers.linear_with_frozen_weight = linear_with_frozen_weight
 
 
-def _patch_moe_without_te() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 PATCHES = {
     "device_mode": _patch_device_mode,
     "cuda_runtime": _patch_cuda_runtime,
     "rng": _patch_rng,
     "tensor_type": _patch_tensor_type,
-    "sequence_parallel_norm": _patch_sequence_parallel_norm,
     "onednn_linear": _patch_onednn_linear,
-    "moe_without_te": _patch_moe_without_te,
 }
 
 

@@ -47,14 +47,17 @@ def first_step_grad_norm(layout_kwargs, untag_sequence_parallel_norms=False, con
 
 
 def compat_patches_in_isolation():
-    """Exercise each CPU patch and report what megatron would observe."""
+    """Exercise each CPU patch (and the local spec's device-agnostic fixes) and report what
+    megatron would observe."""
     from megatron.core import tensor_parallel
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from parallel.cpu import compat as cpu_compat
+    from parallel.modules import local_spec
 
     out = {"applied": cpu_compat.apply()}
+    local_spec.apply()  # the local spec's SP norm and TE-less MoE router, on every device
 
     class AllocatesInBackward(torch.autograd.Function):
         @staticmethod
