@@ -1,6 +1,7 @@
 """tools/gpu_check.py (ci/gpu_check.sh's program) on the CPU with tiny shapes: the same code path the
 GPU run takes, minus CUDA. Oracles: HF transformers' logits (its parity phase) and HF's own linear
-layers for the FLOP count its MFU uses."""
+layers for the FLOP count its MFU uses; the results file for the failure handling (a phase forced
+to fail through ``--fail-phase``, the program's own switch for this)."""
 
 import json
 import subprocess
@@ -11,18 +12,57 @@ import torch
 from tools.gpu_check import training_flops_per_token
 
 
-def test_smoke_run_passes_parity_and_trains(tmp_path):
+def _smoke(tmp_path, *extra):
     out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--smoke", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--smoke", "--json", str(out), *extra],
                           capture_output=True, text=True, timeout=600)
+    return proc, json.loads(out.read_text())
+
+
+def test_smoke_run_passes_parity_and_trains(tmp_path):
+    proc, results = _smoke(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
-    parity = [r for r in results if r["phase"] == "parity"]
-    training = [r for r in results if r["phase"] == "training"]
-    assert [r["spec"] for r in parity] == [r["spec"] for r in training] == ["local"]  # no TE here
-    assert parity[0]["max_abs_diff"] <= 1e-4 and parity[0]["positions"] == 64
-    assert len(training[0]["losses"]) == 3 and all(loss == loss for loss in training[0]["losses"])
+    # environment report first, the local spec's training before its parity, TE skipped (no TE here)
+    assert [(r["phase"], r.get("spec")) for r in results] == [
+        ("environment", None), ("training", "local"), ("parity", "local"), ("te", None)]
+    env, training, parity, te = results
+    assert env["torch"] == torch.__version__ and env["te"]["usable"] is False and "ulimit_n" in env
+    assert te["skipped"] and te["ok"]
+    assert parity["max_abs_diff"] <= 1e-4 and parity["positions"] == 64
+    assert len(training["losses"]) == 3 and all(loss == loss for loss in training["losses"])
     assert "parity   local" in proc.stdout and "tokens/s" in proc.stdout
+
+
+def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path):
+    """--fail-phase makes the local training raise (no mock: the real phase runner): the run goes
+    on to parity and the TE decision, exits 1, and the file holds every phase with the error."""
+    proc, results = _smoke(tmp_path, "--fail-phase", "training:local")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(r["phase"], r.get("spec"), r["ok"]) for r in results] == [
+        ("environment", None, True), ("training", "local", False), ("parity", "local", True), ("te", None, True)]
+    assert "forced failure of training:local" in results[1]["error"]
+    assert "training local FAILED" in proc.stdout
+
+
+def test_a_rank_that_dies_loses_none_of_the_phases_it_finished(tmp_path):
+    """The rank exits without a word in the middle of its group (as a kill or a segfault would):
+    the training it finished before is in the file, and the dead rank is recorded as a failure."""
+    proc, results = _smoke(tmp_path, "--fail-phase", "parity:local:exit")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(r["phase"], r["ok"]) for r in results] == [
+        ("environment", True), ("training", True), ("ranks", False), ("te", True)]
+    assert results[1]["spec"] == "local" and len(results[1]["losses"]) == 3
+    assert results[2]["group"] == "local" and "died without a result" in results[2]["error"]
+
+
+def test_device_peaks_tell_h100_variants_apart():
+    from tools.gpu_check import device_peak_tflops
+
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert device_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert device_peak_tflops("NVIDIA H100 NVL") == 835.0
+    assert device_peak_tflops("NVIDIA H200") == 989.0
+    assert device_peak_tflops("cpu") is None
 
 
 def test_flops_count_every_linear_layer_of_the_hf_model():
