@@ -259,3 +259,21 @@ def field_problems(config: Any) -> list[str]:
     except ValidationError as exc:
         return problems_of(type(config), exc.errors(), tree)
     return []
+
+
+class Problems:
+    """The problems of one validation, each a line ``key=value: problem; fix``."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, key: str, value: Any, problem: str, fix: str) -> None:
+        self.lines.append(f"{key}={show(value)}: {problem}; {fix}")
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+    def check(self, ok: bool, key: str, value: Any, problem: str, fix: str) -> bool:
+        if not ok:
+            self.add(key, value, problem, fix)
+        return ok

@@ -20,9 +20,12 @@ all problems are collected and raised together as one ``ConfigError``. What is c
   positions;
 * valid settings a run does not implement yet: two layouts on one pool, an engine spanning nodes
   or sharing ranks with a Megatron role on a separate pool, colocated engines on GPUs whose
-  rollout.tp does not divide a node's GPUs (``_not_implemented_checks``), dynamic sampling with
+  rollout.tp does not divide a node's GPUs (``megarl.config.placement.not_implemented_checks``), dynamic sampling with
   generation ahead of training;
 * files: data files and a resume checkpoint exist (``check_files=False`` skips this).
+
+The checks of where the models run (resources, layouts, micro-batches, engines, what is not
+implemented) are ``megarl.config.placement``'s.
 """
 
 from __future__ import annotations
@@ -30,33 +33,16 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any
 
-from megarl.config.errors import ConfigError, field_problems, show
+from megarl.config.errors import ConfigError, Problems, field_problems, show
+from megarl.config.placement import divisors, not_implemented_checks, resource_checks
 from megarl.config.schema import MEGATRON_ROLES, RunConfig
-from parallel.layout import LayoutError, MegatronLayout
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
 # Keys whose bad values make the parallel-size cross-checks meaningless.
 _SIZE_KEYS = ("rollout.n=", "rollout.tp=", "data.batch_size=", "cluster.") + tuple(
     f"{role}.{k}=" for role in MEGATRON_ROLES for k in ("micro_batch_size", "mini_batch_size")
 )
-
-
-class _Problems:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def add(self, key: str, value: Any, problem: str, fix: str) -> None:
-        self.lines.append(f"{key}={show(value)}: {problem}; {fix}")
-
-    def line(self, text: str) -> None:
-        self.lines.append(text)
-
-    def check(self, ok: bool, key: str, value: Any, problem: str, fix: str) -> bool:
-        if not ok:
-            self.add(key, value, problem, fix)
-        return ok
 
 
 def model_hf_config(path: str) -> dict:
@@ -92,7 +78,7 @@ def _response_key(cfg: RunConfig) -> str:
     return "rollout.multi_turn.max_total_tokens" if cfg.rollout.multi_turn.enabled else "rollout.max_new_tokens"
 
 
-def _multi_turn_checks(cfg: RunConfig, p: _Problems) -> None:
+def _multi_turn_checks(cfg: RunConfig, p: Problems) -> None:
     """Tools that exist and a call format the parser knows, checked before anything starts."""
     from megarl.agent import TOOL_CALL_FORMATS, ToolRegistry
 
@@ -110,7 +96,7 @@ def _multi_turn_checks(cfg: RunConfig, p: _Problems) -> None:
             f"use at least {cfg.rollout.max_new_tokens} (several turns' worth)")
 
 
-def _bound_checks(cfg: RunConfig, p: _Problems) -> None:
+def _bound_checks(cfg: RunConfig, p: Problems) -> None:
     """Bounds that involve more than one field (each field's own bounds are declared next to it
     in ``megarl.config.schema`` and reported by ``field_problems``)."""
     for role in ("actor", "critic"):
@@ -131,7 +117,7 @@ def _bound_checks(cfg: RunConfig, p: _Problems) -> None:
             p.check(cfg.data.batch_size % mini == 0, f"{role}.mini_batch_size", mini,
                     f"must divide data.batch_size={cfg.data.batch_size} (optimizer steps per RL step = "
                     "batch_size / mini_batch_size)",
-                    f"pick one of {_divisors(cfg.data.batch_size)} or null")
+                    f"pick one of {divisors(cfg.data.batch_size)} or null")
 
     a = cfg.actor
     if a.clip_ratio_c is not None:
@@ -151,7 +137,7 @@ def _bound_checks(cfg: RunConfig, p: _Problems) -> None:
                 "must be >= 1 on a CPU cluster", "use e.g. 2")
 
 
-def _registry_checks(cfg: RunConfig, p: _Problems) -> None:
+def _registry_checks(cfg: RunConfig, p: Problems) -> None:
     from megarl.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES, list_advantages, list_policy_losses, list_rollout_corrections
 
     def one_of(key: str, value: str, valid: list[str] | tuple[str, ...], what: str) -> bool:
@@ -196,7 +182,7 @@ def _registry_checks(cfg: RunConfig, p: _Problems) -> None:
             p.add(key, spec, show(str(exc), limit=240).strip('"'), "fix the module path or the function name")
 
 
-def _reward_model_config(cfg: RunConfig, p: _Problems, policy_hf: dict | None) -> dict | None:
+def _reward_model_config(cfg: RunConfig, p: Problems, policy_hf: dict | None) -> dict | None:
     """The reward model's HF config (None if disabled or unusable: each problem reported)."""
     r = cfg.reward_model
     if not r.enabled:
@@ -226,229 +212,13 @@ def _reward_model_config(cfg: RunConfig, p: _Problems, policy_hf: dict | None) -
     return hf
 
 
-def _check_layout(cfg: RunConfig, p: _Problems, role: str, layout: MegatronLayout, world: int, pool: str,
-                  hf_config: dict | None) -> bool:
-    try:
-        layout.validate(world, hf_config)
-    except LayoutError as exc:
-        msg = str(exc)
-        key = f"{role}.layout" if getattr(cfg, role).layout is not None else "actor.layout"
-        if msg.startswith("layout."):
-            p.line(f"{key}.{msg[len('layout.'):]}" + (f" (the {role}'s layout)" if role != "actor" else ""))
-        elif msg.startswith("world_size="):
-            p.line(f"{key}: {msg} [world_size = the {pool!r} pool of the {role}: "
-                   f"{_pool_origin(cfg, pool)}]")
-        else:
-            p.line(f"{key}: {msg}" + (f" (the {role}'s layout)" if role != "actor" else ""))
-        return False
-    return True
-
-
-def _pool_origin(cfg: RunConfig, pool: str) -> str:
-    c = cfg.cluster
-    if c.pools:
-        return f"cluster.pools.{pool}={c.pools[pool]}"
-    per = f"cluster.gpus_per_node={c.gpus_per_node}" if c.gpus_per_node else f"cluster.cpu_ranks_per_node={c.cpu_ranks_per_node}"
-    return f"cluster.nodes={c.nodes} x {per}; change these or the layout"
-
-
-def _micro_batch_checks(cfg: RunConfig, p: _Problems, role: str, layout: MegatronLayout, world: int) -> None:
-    """Samples per optimizer step split evenly over DP ranks and micro-batches; VPP needs the
-    micro-batch count to be a multiple of PP (megatron's interleaved 1F1B schedule)."""
-    section = getattr(cfg, role)
-    dp = world // (layout.tp * layout.pp * layout.cp)
-    n = cfg.rollout.n
-    mini = getattr(section, "mini_batch_size", None)
-    prompts = cfg.data.batch_size if mini is None else mini
-    prompts_key = "data.batch_size" if mini is None else f"{role}.mini_batch_size"
-    what = "optimizer step" if role in ("actor", "critic") else "forward pass over the step's batch"
-    samples = prompts * n
-    vpp_key = f"{role}.layout.vpp" if section.layout is not None else "actor.layout.vpp"
-    if getattr(section, "max_tokens_per_micro_batch", None) is not None:
-        if layout.vpp is not None:
-            p.add(vpp_key, layout.vpp,
-                  f"with {role}.max_tokens_per_micro_batch the micro-batch count is decided per step from the data, "
-                  f"but megatron's interleaved schedule needs it to be a multiple of pp={layout.pp}",
-                  f"use {role}.micro_batch_size (set {role}.max_tokens_per_micro_batch=null) or vpp=null")
-        elif samples < dp:
-            p.add(prompts_key, prompts, f"{prompts} prompts x rollout.n={n} = {samples} samples per {what} cannot "
-                  f"give each of the {role}'s {dp} data-parallel ranks a sample", f"use at least {-(-dp // n)} prompts")
-        return
-    if samples % dp:
-        p.add(prompts_key, prompts,
-              f"{prompts} prompts x rollout.n={n} = {samples} samples per {what} do not split evenly over the "
-              f"{role}'s data-parallel size {dp} (world {world} / tp*pp*cp {layout.tp * layout.pp * layout.cp})",
-              f"make {prompts_key} x rollout.n a multiple of {dp}")
-        return
-    per_rank = samples // dp
-    mbs = section.micro_batch_size
-    if per_rank % mbs:
-        p.add(f"{role}.micro_batch_size", mbs,
-              f"does not divide the {per_rank} samples each data-parallel rank gets per {what} "
-              f"({samples} samples / dp {dp})", f"pick one of {_divisors(per_rank)}")
-        return
-    micro_batches = per_rank // mbs
-    if layout.vpp is not None and micro_batches % layout.pp:
-        good = [d for d in _divisors(per_rank) if (per_rank // d) % layout.pp == 0]
-        fix = (f"set {role}.micro_batch_size to one of {good}" if good else
-               f"make the samples per rank ({per_rank}) a multiple of pp={layout.pp} via {prompts_key} or rollout.n")
-        p.add(vpp_key, layout.vpp,
-              f"megatron's interleaved schedule needs the number of micro-batches per {what} to be a multiple of "
-              f"pp={layout.pp}, but it is {micro_batches} ({per_rank} samples per rank / {role}.micro_batch_size {mbs})",
-              f"{fix}, or set vpp=null")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
-
-
-def _resource_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, critic_hf: dict | None,
-                     reward_hf: dict | None) -> None:
-    c = cfg.cluster
-    if c.nodes < 1 or c.ranks_per_node < 1:
-        return  # reported by the bound checks
-    sizes = c.pool_sizes()
-    ok_pools = True
-    for name, size in c.pools.items():
-        if not p.check(size >= 1, f"cluster.pools.{name}", size, "a pool needs >= 1 rank", "remove it or give it ranks"):
-            ok_pools = False
-        elif size > c.ranks_per_node and size % c.ranks_per_node:
-            p.add(f"cluster.pools.{name}", size, f"a pool larger than one node must span whole nodes "
-                  f"({c.ranks_per_node} ranks each)", f"use a multiple of {c.ranks_per_node}")
-            ok_pools = False
-    if c.pools and sum(c.pools.values()) > c.world_size:
-        p.add("cluster.pools", c.pools, f"the pools hold {sum(c.pools.values())} ranks but the cluster has "
-              f"{c.world_size} ({c.nodes} nodes x {c.ranks_per_node})", "shrink the pools or add nodes")
-        ok_pools = False
-
-    roles = {"actor": ("actor.pool", cfg.actor.pool)}
-    for role in ("critic", "ref", "reward_model"):
-        section = getattr(cfg, role)
-        if section.enabled and section.pool is not None:
-            roles[role] = (f"{role}.pool", section.pool)
-    r = cfg.rollout
-    if r.placement == "separate":
-        others = [name for name in sizes if name != cfg.actor.pool]
-        if r.pool is None:
-            fix = (f"set rollout.pool to one of {others}" if others else
-                   "declare pools, e.g. cluster.pools={train: 2, rollout: 2} with actor.pool=train rollout.pool=rollout")
-            p.add("rollout.pool", None, "rollout.placement=separate needs a pool of its own", fix)
-        elif r.pool == cfg.actor.pool:
-            p.add("rollout.pool", r.pool, "is the actor's pool, but rollout.placement=separate",
-                  "use another pool, or set rollout.placement=colocated")
-        else:
-            roles["rollout"] = ("rollout.pool", r.pool)
-    if r.mode != "sync" and r.placement != "separate":
-        p.add("rollout.mode", r.mode, "generation overlaps training only on engines with ranks of their own "
-              "(colocated engines share the actor's devices)",
-              "set rollout.placement=separate with a rollout.pool, or rollout.mode=sync")
-    if r.partial_rollout_tokens:
-        if r.mode == "sync":
-            p.add("rollout.partial_rollout_tokens", r.partial_rollout_tokens, "partial rollouts continue a batch "
-                  "across a weight update, which happens only with generation ahead of training",
-                  "set rollout.mode=one_step_off or streaming, or rollout.partial_rollout_tokens=0")
-        if r.multi_turn.enabled or cfg.actor.routing_replay:
-            field = "rollout.multi_turn.enabled" if r.multi_turn.enabled else "actor.routing_replay"
-            p.add("rollout.partial_rollout_tokens", r.partial_rollout_tokens, f"partial rollouts are not done with "
-                  f"{field}=true (a continued sample would mix turns or routes of two weight versions)",
-                  f"set rollout.partial_rollout_tokens=0, or {field}=false")
-    if r.mode != "streaming" and r.max_staleness != 1:
-        p.add("rollout.max_staleness", r.max_staleness, f"only rollout.mode=streaming reads it (the mode is {r.mode!r}, "
-              f"whose staleness is {r.staleness})", "set rollout.mode=streaming, or leave rollout.max_staleness out")
-    if r.placement != "separate" and r.pool is not None and r.pool != cfg.actor.pool:
-        p.add("rollout.pool", r.pool, f"a colocated rollout runs on the actor's pool ({cfg.actor.pool!r})",
-              "set rollout.placement=separate, or rollout.pool=null")
-    bad_pool = set()
-    for role, (key, name) in roles.items():
-        if name not in sizes:
-            bad_pool.add(role)
-            hint = ("declare it in cluster.pools" if c.pools else
-                    f"without cluster.pools the only pool is {next(iter(sizes))!r}")
-            p.add(key, name, f"is not a resource pool (pools: {', '.join(sizes)})", hint)
-    if not ok_pools:
-        return
-
-    if "actor" not in bad_pool:
-        world = cfg.world_size_for("actor")
-        actor_ok = _check_layout(cfg, p, "actor", cfg.actor.layout, world, cfg.pool_for("actor"), hf_config)
-        if actor_ok:
-            before = len(p.lines)
-            _micro_batch_checks(cfg, p, "actor", cfg.actor.layout, world)
-            # A role on the actor's pool and layout would repeat the actor's batch-split problem.
-            actor_ok = len(p.lines) == before
-    else:
-        actor_ok = False
-    for role, model_cfg in (("critic", critic_hf), ("ref", hf_config), ("reward_model", reward_hf)):
-        section = getattr(cfg, role)
-        if not section.enabled or role in bad_pool or "actor" in bad_pool and section.pool is None:
-            continue
-        own = (section.layout is not None or section.pool is not None or getattr(section, "model_path", None))
-        layout = cfg.layout_for(role)
-        world = cfg.world_size_for(role)
-        if own:
-            if not _check_layout(cfg, p, role, layout, world, cfg.pool_for(role), model_cfg):
-                continue
-        elif not actor_ok:
-            continue
-        _micro_batch_checks(cfg, p, role, layout, world)
-
-    if "rollout" not in bad_pool and r.tp >= 1:
-        world = cfg.world_size_for("rollout") if r.placement == "separate" else (
-            cfg.world_size_for("actor") if "actor" not in bad_pool else None)
-        if world is not None and world % r.tp:
-            p.add("rollout.tp", r.tp, f"the rollout pool {cfg.pool_for('rollout')!r} has {world} ranks, not a "
-                  "multiple of the engines' tensor-parallel size", f"pick one of {_divisors(world)}")
-        if hf_config is not None:
-            from parallel.shards import sglang_expert_problem, sglang_tp_problem
-
-            cpu = cfg.cluster.device == "cpu"
-            tp_problem = sglang_tp_problem(hf_config, r.tp, cpu=cpu)
-            if tp_problem is not None:
-                p.add("rollout.tp", r.tp, *tp_problem)
-            expert_problem = sglang_expert_problem(hf_config, r.tp, r.ep, cpu=cpu)
-            if expert_problem is not None:
-                p.add("rollout.ep", r.ep, *expert_problem)
-
-
-def _not_implemented_checks(cfg: RunConfig, p: _Problems) -> None:
-    """Valid settings a run does not implement yet, each with what to set instead. Roles that
-    share a pool share its processes (``RunConfig.megatron_pools``) and therefore one layout; SGLang
-    engines run colocated with the actor or on a pool of their own, each engine within one node."""
-    r = cfg.rollout
-    per_node = cfg.cluster.ranks_per_node
-    if r.placement == "separate" and per_node >= 1 and r.tp > per_node:
-        p.add("rollout.tp", r.tp, f"an engine spanning nodes ({per_node} ranks each) on a separate pool is not "
-              "implemented yet", f"use rollout.tp <= {per_node}")
-    reported = any(line.startswith("rollout.tp=") for line in p.lines)  # e.g. not dividing the pool
-    if r.placement == "colocated" and cfg.cluster.device == "gpu" and r.tp >= 1 and per_node % r.tp and not reported:
-        # megarl.controller.placement cuts each node's GPUs into engines of rollout.tp consecutive ones
-        p.add("rollout.tp", r.tp, f"colocated engines of {r.tp} GPUs do not divide a node's {per_node} GPUs "
-              "(cluster.gpus_per_node): an engine would straddle two nodes",
-              f"use a rollout.tp that divides {per_node} ({', '.join(map(str, _divisors(per_node)))})")
-    for pool, roles in cfg.megatron_pools().items():
-        first = roles[0]
-        for role in roles[1:]:
-            layout, first_layout = cfg.layout_for(role), cfg.layout_for(first)
-            if layout == first_layout:
-                continue
-            own = getattr(cfg, role).layout
-            p.add(f"{role}.layout", None if own is None else str(own),
-                  ("" if own is not None else f"(the actor's layout, {layout}) ") + f"differs from the {first}'s "
-                  f"layout ({first_layout}) on the same pool {pool!r}, but roles sharing a pool share its processes "
-                  "and so one layout", f"give the {role} a pool of its own ({role}.pool) or the {first}'s layout"
-                  + (f" ({role}.layout=null)" if first_layout == cfg.actor.layout else ""))
-        if r.placement == "separate" and pool == r.pool and pool != cfg.actor.pool:  # the actor's: _resource_checks
-            p.add("rollout.pool", pool, f"is also the {'/'.join(roles)}'s pool, but engines on a separate pool need "
-                  "its ranks to themselves (sharing them is not implemented yet)", "give them a pool no Megatron role uses")
-
-
 # What megarl.controller.rl.RLTrainer.advantages passes an advantage estimator (registry.ADVANTAGE_INPUTS
 # lists what estimators may declare; remax's greedy baseline and PRIME's process rewards are not
 # computed by a run).
 RUN_ADVANTAGE_INPUTS = ("index", "values", "gamma", "lam", "norm_by_std")
 
 
-def _algorithm_checks(cfg: RunConfig, p: _Problems) -> None:
+def _algorithm_checks(cfg: RunConfig, p: Problems) -> None:
     """What the advantage estimator needs (a critic, groups, inputs a run computes), and the KL terms'
     reference."""
     from megarl.algorithms import advantage_spec, list_advantages
@@ -482,7 +252,7 @@ def _algorithm_checks(cfg: RunConfig, p: _Problems) -> None:
               "set ref.enabled=true, or turn the KL term off")
 
 
-def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, rl: bool) -> None:
+def _cross_checks(cfg: RunConfig, p: Problems, hf_config: dict | None, rl: bool) -> None:
     if cfg.model.dtype == "float16":
         p.add("model.dtype", "float16", "the actor would train in fp16, which needs loss scaling that megarl does "
               "not configure (megatron's fp16 optimizer skips every step at its initial scale)",
@@ -520,7 +290,7 @@ def _cross_checks(cfg: RunConfig, p: _Problems, hf_config: dict | None, rl: bool
                       f"use an id in [0, {vocab})")
 
 
-def _file_checks(cfg: RunConfig, p: _Problems) -> None:
+def _file_checks(cfg: RunConfig, p: Problems) -> None:
     for i, f in enumerate(cfg.data.train_files):
         path = Path(f).expanduser()
         if not path.is_file():
@@ -533,7 +303,7 @@ def _file_checks(cfg: RunConfig, p: _Problems) -> None:
               "use auto (latest checkpoint in trainer.output_dir), none, or an existing path")
 
 
-def _sft_checks(cfg: RunConfig, p: _Problems) -> None:
+def _sft_checks(cfg: RunConfig, p: Problems) -> None:
     """``megarl sft`` trains the actor alone: models of the RL roles would be built for nothing."""
     for key, on in (("critic.enabled", cfg.critic.enabled), ("ref.enabled", cfg.ref.enabled),
                     ("reward_model.enabled", cfg.reward_model.enabled), ("actor.kl_loss.enabled", cfg.actor.kl_loss.enabled),
@@ -547,7 +317,7 @@ def validate_config(cfg: RunConfig, *, check_files: bool = True, mode: str = "rl
     ``mode="sft"``: as ``megarl sft`` runs it (``RunConfig.for_sft``)."""
     if mode not in ("rl", "sft"):
         raise ValueError(f"mode must be 'rl' or 'sft', got {mode!r}")
-    p = _Problems()
+    p = Problems()
     for i, module in enumerate(cfg.imports):
         try:
             importlib.import_module(module)
@@ -586,9 +356,9 @@ def validate_config(cfg: RunConfig, *, check_files: bool = True, mode: str = "rl
     _registry_checks(cfg, p)
     # Sizes are only worth cross-checking once each of them is sane on its own.
     if not any(line.startswith(_SIZE_KEYS) for line in p.lines):
-        _resource_checks(cfg, p, hf_config, critic_hf, reward_hf)
+        resource_checks(cfg, p, hf_config, critic_hf, reward_hf)
     _cross_checks(cfg, p, hf_config, rl=mode == "rl")
-    _not_implemented_checks(cfg, p)
+    not_implemented_checks(cfg, p)
     _multi_turn_checks(cfg, p)
     if check_files:
         _file_checks(cfg, p)
