@@ -77,8 +77,8 @@ def device_peak_tflops(name: str) -> float | None:
 
 class Results:
     """The run's results as a JSON list in ``path``, rewritten whole and atomically after every
-    phase (a temporary file in the same directory, then ``os.replace``), so a reader, a failure
-    or a kill always finds every phase finished so far."""
+    phase (``parallel.checkpoint.atomic.atomic_file``), so a reader, a failure or a kill always
+    finds every phase finished so far."""
 
     def __init__(self, path: str):
         self.path = path
@@ -91,19 +91,11 @@ class Results:
             return []
 
     def add(self, result: dict) -> None:
+        from parallel.checkpoint.atomic import atomic_file
+
         results = self.load() + [result]
-        directory = os.path.dirname(os.path.abspath(self.path))
-        fd, tmp = tempfile.mkstemp(prefix=".gpu_check.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(results, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_file(self.path) as partial:
+            partial.write_text(json.dumps(results, indent=2))
         print(report_line(result, results), flush=True)
 
 
