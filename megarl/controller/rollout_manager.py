@@ -88,23 +88,21 @@ class RolloutManager:
             engine_cls = ray.remote(num_cpus=1 if gpu else r.tp, num_gpus=r.tp if gpu else 0)(RolloutWorker)
             engines = [engine_cls.options(**in_bundle(pg, e)).remote(*engine_args) for e in range(num_engines)]
         else:
-            num_engines = max(1, cfg.world_size_for("actor") // r.tp)  # one per rollout.tp of the actor's ranks
             engine_cls = ray.remote(num_cpus=0)(RolloutWorker)
             pg = self.workers.placements[cfg.actor.pool]
             if gpu:  # each engine on rollout.tp consecutive GPUs of one node, beside the ranks that hold them
-                placements = self._gpu_placements()
-                num_engines = len(placements)
                 engines = [engine_cls.options(**in_bundle(pg, p.bundle)).remote(
                     self.model_dir, r.tp, cfg.model.dtype,
                     {**engine_kwargs, "base_gpu_id": p.base_gpu_id, "env": {"CUDA_VISIBLE_DEVICES": p.visible_devices}})
-                    for p in placements]
-            else:
-                engines = [engine_cls.options(**in_bundle(pg, e * r.tp)).remote(*engine_args) for e in range(num_engines)]
+                    for p in self._gpu_placements()]
+            else:  # one per rollout.tp of the actor's ranks
+                engines = [engine_cls.options(**in_bundle(pg, e * r.tp)).remote(*engine_args)
+                           for e in range(max(1, cfg.world_size_for("actor") // r.tp))]
         where = (f"on their own pool {r.pool!r}" if r.placement == "separate" else "colocated")
         rows = ("one per prompt, its samples as branches (shared prompts)" if cfg.shared_prompt_rows
                 else "one packed row per micro-batch" if cfg.actor.sequence_packing else "one per sample")
         replay = "; routing replay: the actor's routers use the engines' experts" if cfg.actor.routing_replay else ""
-        self.log(f"megarl: {num_engines} SGLang engine(s) of TP={r.tp} {where}; rows: {rows}{replay}")
+        self.log(f"megarl: {len(engines)} SGLang engine(s) of TP={r.tp} {where}; rows: {rows}{replay}")
         return engines
 
     def _gpu_placements(self) -> list:
