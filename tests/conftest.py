@@ -49,6 +49,19 @@ def arith_prompts(tmp_path_factory):
     return build
 
 
+
+@pytest.fixture
+def onednn_linears(monkeypatch):
+    """CPU linears through oneDNN (``MEGARL_CPU_LINEAR=onednn``) in this process and in the ranks
+    it starts (they inherit the environment), whichever backend this machine would choose."""
+    from parallel.cpu import linear as cpu_linear
+
+    monkeypatch.setenv(cpu_linear.ENV_VAR, "onednn")
+    cpu_linear.backend.cache_clear()
+    yield
+    cpu_linear.backend.cache_clear()  # the next reader takes the environment as restored
+
+
 # Test tiers. `bash ci/run_tests.sh -m quick` runs the single-process tests (a few minutes, for
 # local iteration); CI runs everything (no marker is filtered by default). A test is `quick`
 # unless something it runs can start another process. The rule reads code, not timings, so a new

@@ -10,13 +10,7 @@ import torch.nn.functional as F
 from megarl.rollout.sglang.cpu.linear import patch_sglang_unquant_module
 from parallel.cpu import linear as cpu_linear
 
-
-@pytest.fixture(autouse=True)
-def onednn(monkeypatch):
-    monkeypatch.setenv(cpu_linear.ENV_VAR, "onednn")
-    cpu_linear.backend.cache_clear()
-    yield
-    cpu_linear.backend.cache_clear()  # the next reader takes the environment as restored
+pytestmark = pytest.mark.usefixtures("onednn_linears")
 
 
 def test_sglang_unquantized_linears_take_it(monkeypatch):

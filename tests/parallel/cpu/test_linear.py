@@ -23,13 +23,7 @@ from tests.parallel.cpu import rank_fns
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(autouse=True)
-def onednn(monkeypatch):
-    """oneDNN in this process and in the ranks it starts (they inherit the environment)."""
-    monkeypatch.setenv(cpu_linear.ENV_VAR, "onednn")
-    cpu_linear.backend.cache_clear()
-    yield
-    cpu_linear.backend.cache_clear()  # the next reader takes the environment as restored
+pytestmark = pytest.mark.usefixtures("onednn_linears")
 
 
 def _operands(seed, *x_shape, out_features=48):
