@@ -20,12 +20,12 @@ all problems are collected and raised together as one ``ConfigError``. What is c
   positions;
 * valid settings a run does not implement yet: two layouts on one pool, an engine spanning nodes
   or sharing ranks with a Megatron role on a separate pool, colocated engines on GPUs whose
-  rollout.tp does not divide a node's GPUs (``megarl.config.placement.not_implemented_checks``), dynamic sampling with
-  generation ahead of training;
+  rollout.tp does not divide a node's GPUs (``placement_checks.not_implemented_checks``),
+  dynamic sampling with generation ahead of training;
 * files: data files and a resume checkpoint exist (``check_files=False`` skips this).
 
 The checks of where the models run (resources, layouts, micro-batches, engines, what is not
-implemented) are ``megarl.config.placement``'s.
+implemented) are ``megarl.config.placement_checks``'s.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import json
 from pathlib import Path
 
 from megarl.config.errors import ConfigError, Problems, field_problems, show
-from megarl.config.placement import divisors, not_implemented_checks, resource_checks
+from megarl.config.placement_checks import divisors, not_implemented_checks, resource_checks
 from megarl.config.schema import MEGATRON_ROLES, RunConfig
 
 DATA_SUFFIXES = (".parquet", ".jsonl")
