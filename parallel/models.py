@@ -185,14 +185,16 @@ def build_model_chunks(
     return place_chunks(chunks)
 
 
-def place_chunks(chunks: list) -> list:
+def place_chunks(chunks: list, device: torch.device | None = None) -> list:
     """What megatron's Float16Module and its ``get_model``'s ``.cuda()`` do to built chunks: every
     floating parameter and buffer in ``config.params_dtype`` (without TE or apex the local spec's
     norms are torch RMSNorms, built in fp32 whatever params_dtype says: a bf16 actor then trained
     fp32 norms, and gathering them for an HF export at TP=2 aborted in gloo), on this process's
     current GPU when there is one (weights are initialised on the CPU: use_cpu_initialization).
-    RoPE's ``inv_freq`` is a plain attribute: moved by hand, kept fp32. Returns ``chunks``."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    RoPE's ``inv_freq`` is a plain attribute: moved by hand, kept fp32. ``device`` overrides the
+    GPU (tests run the real code paths shape-only on ``meta``). Returns ``chunks``."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     for chunk in chunks:
         chunk.to(device=device, dtype=chunk.config.params_dtype)
         rope = getattr(chunk, "rotary_pos_emb", None)

@@ -180,6 +180,15 @@ def _response_rows(batch: dict, rows: list[int], num_rows: int, starts: list[int
     return {"gather_index": gather, "response_mask": mask, **fields}
 
 
+def on_device(micro_batch: dict, device: torch.device) -> dict:
+    """``micro_batch`` with every tensor (a packed row's too) on ``device``, the model's.
+    Micro-batches are cut on the host (a pure function of the batch); the model may live on a GPU."""
+    from parallel.modules.packing import PackedBatch
+
+    return {key: value.to(device) if isinstance(value, (torch.Tensor, PackedBatch)) else value
+            for key, value in micro_batch.items()}
+
+
 def padded_length(length: int, multiple: int) -> int:
     return max(multiple, math.ceil(length / multiple) * multiple)
 

@@ -31,6 +31,7 @@ from megarl.workers.batch import (
     make_micro_batch,
     make_packed_micro_batch,
     make_shared_prompt_micro_batch,
+    on_device,
     packed_row_length,
     padded_length,
     prompt_groups,
@@ -104,6 +105,11 @@ class _Model:
     def __init__(self, spec: ModelSpec, chunks: list, optimizer, hf_config: dict):
         self.spec, self.chunks, self.optimizer, self.hf_config = spec, chunks, optimizer, hf_config
         self.optimizer_steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where this model's parameters live (a GPU in a GPU run): its inputs go there."""
+        return next(self.chunks[0].parameters()).device
 
     @property
     def modules(self) -> list:
@@ -222,7 +228,11 @@ class MegatronWorker:
         megatron needs: one common length and row count under pipelining (its p2p buffers are
         fixed) and when an expert-parallel group spans replicas (its token all-gather needs the
         same token count on every member), a length divisible by 2*CP (zig-zag) and by TP under
-        sequence parallelism, and a micro-batch count divisible by PP for the interleaved schedule."""
+        sequence parallelism, and a micro-batch count divisible by PP for the interleaved schedule.
+        Cut on the host, returned on the model's device."""
+        return [on_device(mb, model.device) for mb in self._host_micro_batches(model, batch)]
+
+    def _host_micro_batches(self, model: _Model, batch: dict) -> list[dict]:
         from megatron.core import parallel_state
 
         layout = model.spec.layout
@@ -290,7 +300,7 @@ class MegatronWorker:
             mb = next(data_iterator)
             if "packed" in mb:  # row positions of this CP rank's tokens; RoPE restarts per sequence
                 packed = mb["packed"]
-                mine = packed.local_positions()
+                mine = packed.local_positions().to(mb["tokens"].device)
                 replay(module, mb["routes"][:, mine] if "routes" in mb else None)
                 local = {"tokens": mb["tokens"][:, mine], "targets": mb["targets"][:, mine],
                          "position_ids": mine.unsqueeze(0)}
@@ -306,7 +316,8 @@ class MegatronWorker:
                     output = module(mb["tokens"], mb["position_ids"], attention_mask=mb["segments"],
                                     **padding(mb["padding_mask"]))
                 return output, lambda out: loss_of(mb, local, out)
-            positions = torch.arange(mb["tokens"].shape[1]).unsqueeze(0).expand_as(mb["tokens"])
+            tokens = mb["tokens"]
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
             local = split_for_context_parallel({"tokens": mb["tokens"], "targets": mb["targets"],
                                                 "position_ids": positions, "padding_mask": mb["padding_mask"],
                                                 **({"routes": mb["routes"]} if "routes" in mb else {})})
@@ -367,6 +378,7 @@ class MegatronWorker:
         collected = self._run(model, micro, loss_of, forward_only=True)
         if not self._is_output_rank():
             return None
+        collected = [{key: value.cpu() for key, value in item.items()} for item in collected]  # for the driver
         rows = torch.cat([item["rows"] for item in collected])
         real = rows >= 0
         return {key: torch.cat([item[key] for item in collected])[real] for key in collected[0]}

@@ -47,6 +47,13 @@ class PackedBatch:
             max_seqlen_q=max_slot, max_seqlen_kv=max_slot,
         )
 
+    def to(self, device: torch.device) -> "PackedBatch":
+        """This row with its tensors on ``device`` (the model's: TE's thd attention wants its
+        ``cu_seqlens`` there too)."""
+        return dataclasses.replace(self, tokens=self.tokens.to(device), position_ids=self.position_ids.to(device),
+                                   cu_seqlens=self.cu_seqlens.to(device),
+                                   cu_seqlens_padded=self.cu_seqlens_padded.to(device))
+
     def local_positions(self, cp_size: int | None = None, cp_rank: int | None = None) -> torch.Tensor:
         """Row positions of the tokens a CP rank holds (default: this rank; all at CP=1). Index
         any per-token [1, T] tensor (labels, masks) with it to get that rank's share."""

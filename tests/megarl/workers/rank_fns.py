@@ -248,3 +248,26 @@ def worker_sft_step(hf_dir, layout_kwargs, batch, micro_batch_size, batching=Non
     metrics = worker.update("actor", batch, {"tokens": float(mask.sum()), "sequences": float((mask.sum(-1) > 0).sum())})
     worker.shutdown()
     return metrics
+
+
+def worker_forward_on_a_stand_in_gpu(hf_dir, batch, micro_batch_size):
+    """A MegatronWorker's reference model moved to the ``meta`` device (a GPU stand-in,
+    ``tests.megarl.workers.stand_in_gpu``), asked for the log-probs and entropies of ``batch``:
+    returns where and in which shape they came back, or the error that stopped the forward."""
+    from megarl.workers.batch import MicroBatching
+    from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
+    from parallel.layout import MegatronLayout
+    from parallel.models import place_chunks
+    from tests.megarl.workers.stand_in_gpu import META, HostCrossings
+
+    worker = MegatronWorker()
+    worker.setup(ModelSpec("ref", hf_dir, MegatronLayout(), MicroBatching(micro_batch_size=micro_batch_size)), seed=7)
+    place_chunks(worker.models["ref"].chunks, META)
+    try:
+        with HostCrossings():
+            out = worker.forward("ref", batch, with_entropy=True)
+        return {key: (value.device.type, tuple(value.shape)) for key, value in out.items()}
+    except RuntimeError as error:
+        return {"error": str(error)}
+    finally:
+        worker.shutdown()
