@@ -20,7 +20,10 @@ dies or the shell's timeout loses none of the phases already finished:
    against the device's peak and against the matmul, peak GiB; then parity: a tiny Llama's logits
    over 256 positions, Megatron on the device in fp32 (TF32 off) against HF transformers on the
    CPU in fp32, failing above ``PARITY_ATOL``.
-3. TE spec, where ``transformer_engine.pytorch`` imports and megatron's ``HAVE_TE`` holds: parity
+3. the RL worker (``tools.gpu_check_worker``), on a fresh rank: ``MegatronWorker`` setup, the
+   reference's log-probs against HF transformers', PPO updates, a distributed-checkpoint round trip
+   and the HF export, each a phase of its own.
+4. TE spec, where ``transformer_engine.pytorch`` imports and megatron's ``HAVE_TE`` holds: parity
    then training, on a fresh rank with ``NVIDIA_TF32_OVERRIDE=0`` in its environment (TE's
    cuBLASLt GEMMs use TF32 for fp32 inputs whatever torch's flag says: ~1e-3 logit error).
 
@@ -66,7 +69,7 @@ DENSE_BF16_TFLOPS = (
     ("H800", 989.0),
     ("A100", 312.0),
 )
-RANK_TIMEOUT_S = 240.0  # per group of phases (local, TE); ci/gpu_check.sh's timeout exceeds both
+RANK_TIMEOUT_S = 240.0  # per group of phases (local, worker, TE); ci/gpu_check.sh's timeout exceeds all three
 
 
 def device_peak_tflops(name: str) -> float | None:
@@ -371,6 +374,11 @@ def check_on_rank(spec: str, smoke: bool, json_path: str, fail_phase: str | None
     as it finishes. The local spec trains before its parity (parity needs transformers); the TE
     spec checks parity first (run under ``NVIDIA_TF32_OVERRIDE=0``)."""
     results = Results(json_path)
+    if spec == "worker":
+        from tools.gpu_check_worker import worker_check
+
+        worker_check(run_phase, results, fail_phase)
+        return
     if spec == "local" and not smoke:
         run_phase(results, "matmul", None, lambda: {"phase": "matmul", "side": MATMUL_SIDE,
                                                      "tflops": round(matmul_tflops(MATMUL_SIDE), 1), "ok": True},
@@ -416,6 +424,9 @@ def report_line(r: dict, results: list[dict]) -> str:
                 f"peak {r['peak_memory_gib']} GiB, build {r['build_s']} s, losses {r['losses']}")
     if r["phase"] == "matmul":
         return f"matmul   bf16 {r['side']}^3: {r['tflops']} TFLOP/s"
+    if r["phase"].startswith("worker "):
+        details = {k: v for k, v in r.items() if k not in ("phase", "ok", "seconds")}
+        return f"{r['phase']:17s} {'ok' if r['ok'] else 'FAILED'} in {r.get('seconds', '?')} s: {details}"
     if r.get("skipped"):
         return f"{r['phase']:8s} {r.get('group', ''):5s} skipped: {r['skipped']}"
     return json.dumps(r)
@@ -459,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU too")
     parser.add_argument("--json", help="write the results to this file, phase by phase (else a temporary file)")
     parser.add_argument("--rank-timeout", type=float, default=RANK_TIMEOUT_S,
-                        help=f"seconds for each group of phases (local, TE; default {RANK_TIMEOUT_S:.0f})")
+                        help=f"seconds for each group of phases (local, worker, TE; default {RANK_TIMEOUT_S:.0f})")
     parser.add_argument("--fail-phase", metavar="PHASE[:SPEC[:MODE]]",
                         help="make this phase fail on purpose: raise (the default), exit (its rank dies) or "
                              "hang (until a timeout); "
@@ -483,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = run_phase(results, "environment", None, environment, args.fail_phase)
         _run_group(results, "local", args.smoke, args.fail_phase, args.rank_timeout)
+        _run_group(results, "worker", args.smoke, args.fail_phase, args.rank_timeout)
         te = env.get("te") or te_status()
         if te.get("usable"):
             _run_group(results, "te", args.smoke, args.fail_phase, args.rank_timeout, env={"NVIDIA_TF32_OVERRIDE": "0"})

@@ -11,6 +11,8 @@ import torch
 
 from tools.gpu_check import training_flops_per_token
 
+WORKER = ("setup", "forward", "update", "checkpoint", "export")
+
 
 def _smoke(tmp_path, *extra):
     out = tmp_path / "results.json"
@@ -22,10 +24,16 @@ def _smoke(tmp_path, *extra):
 def test_smoke_run_passes_parity_and_trains(tmp_path):
     proc, results = _smoke(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # environment report first, the local spec's training before its parity, TE skipped (no TE here)
+    # environment report first, the local spec's training before its parity, the RL worker's
+    # phases, TE skipped (no TE here)
     assert [(r["phase"], r.get("spec")) for r in results] == [
-        ("environment", None), ("training", "local"), ("parity", "local"), ("te", None)]
-    env, training, parity, te = results
+        ("environment", None), ("training", "local"), ("parity", "local"), *[(f"worker {name}", None) for name in WORKER],
+        ("te", None)]
+    env, training, parity, *worker, te = results
+    assert all(r["ok"] and "skipped" not in r for r in worker)
+    forward, update, checkpoint, export = worker[1:]
+    assert forward["output_devices"] == ["cpu"] and forward["max_abs_diff"] <= 1e-4  # against HF transformers
+    assert update["logp_moved"] > 0 and checkpoint["max_abs_diff"] == 0.0 and export["max_abs_diff"] <= 1e-4
     assert env["torch"] == torch.__version__ and env["te"]["usable"] is False and "ulimit_n" in env
     assert te["skipped"] and te["ok"]
     assert parity["max_abs_diff"] <= 1e-4 and parity["positions"] == 64
@@ -39,7 +47,8 @@ def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path):
     proc, results = _smoke(tmp_path, "--fail-phase", "training:local")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [(r["phase"], r.get("spec"), r["ok"]) for r in results] == [
-        ("environment", None, True), ("training", "local", False), ("parity", "local", True), ("te", None, True)]
+        ("environment", None, True), ("training", "local", False), ("parity", "local", True),
+        *[(f"worker {name}", None, True) for name in WORKER], ("te", None, True)]
     assert "forced failure of training:local" in results[1]["error"]
     assert "training local FAILED" in proc.stdout
 
@@ -50,9 +59,18 @@ def test_a_rank_that_dies_loses_none_of_the_phases_it_finished(tmp_path):
     proc, results = _smoke(tmp_path, "--fail-phase", "parity:local:exit")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [(r["phase"], r["ok"]) for r in results] == [
-        ("environment", True), ("training", True), ("ranks", False), ("te", True)]
+        ("environment", True), ("training", True), ("ranks", False), *[(f"worker {name}", True) for name in WORKER],
+        ("te", True)]
     assert results[1]["spec"] == "local" and len(results[1]["losses"]) == 3
     assert results[2]["group"] == "local" and "died without a result" in results[2]["error"]
+
+
+def test_a_failed_worker_phase_skips_the_worker_phases_after_it(tmp_path):
+    proc, results = _smoke(tmp_path, "--fail-phase", "worker update")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    worker = {r["phase"]: r for r in results if r["phase"].startswith("worker ")}
+    assert [r["ok"] for r in worker.values()] == [True, True, False, True, True]
+    assert worker["worker checkpoint"]["skipped"] == worker["worker export"]["skipped"] == "worker update failed"
 
 
 def test_device_peaks_tell_h100_variants_apart():
