@@ -1,10 +1,12 @@
-"""Where colocated SGLang engines run on GPUs: a pure function of where Ray put the actor's ranks.
+"""Where Megatron ranks and colocated SGLang engines run: pure functions of what Ray reports.
 
-Ray reserves one bundle ({"GPU": 1, "CPU": 1}) per Megatron rank and reports, for the rank in
-bundle i, its node and its GPU; the bundles come back in no particular (node, GPU) order. An
-engine of ``rollout.tp`` ranks runs beside ``rollout.tp`` of those ranks: the ranks sorted by
-(node, GPU) are cut into consecutive groups of ``rollout.tp``, so an engine never straddles two
-nodes and its GPUs are consecutive local GPU ids of one node.
+Ray reserves one bundle ({"GPU": 1, "CPU": 1}) per Megatron rank and reports, for bundle i, its
+node and its GPU; the bundles come back in no particular (node, GPU) order. ``bundle_order`` puts
+Megatron rank r in the r-th bundle in (node, GPU) order, so that consecutive ranks (a tensor-
+parallel group) share a node and sit on consecutive GPUs. An engine of ``rollout.tp`` ranks runs
+beside ``rollout.tp`` of those ranks: the ranks sorted by (node, GPU) are cut into consecutive
+groups of ``rollout.tp``, so an engine never straddles two nodes and its GPUs are consecutive
+local GPU ids of one node.
 
 Each engine's processes see the GPUs of the actor's pool on its node (``CUDA_VISIBLE_DEVICES``,
 in Ray's numbering, which is the numbering ``CUDA_VISIBLE_DEVICES`` takes) and start at
@@ -33,14 +35,25 @@ class EnginePlacement:
     base_gpu_id: int
 
     @property
-    def bundle(self) -> int:
-        """The placement-group bundle the engine's actor goes in: its first rank's."""
-        return self.ranks[0]
-
-    @property
     def visible_devices(self) -> str:
         """The engine's ``CUDA_VISIBLE_DEVICES``."""
         return ",".join(str(g) for g in self.node_gpu_ids)
+
+
+def bundle_order(reports: Sequence[tuple[str, Sequence[int]]]) -> list[int]:
+    """The bundle each Megatron rank runs in: rank r in bundle ``order[r]``, bundles sorted by
+    (node, GPU ids). ``reports[i]`` is (node, GPU ids) of bundle i as Ray reports them (no GPU
+    ids on CPU: bundles then keep their order within a node). IPv4 addresses sort numerically."""
+
+    return sorted(range(len(reports)), key=lambda i: (_node_key(reports[i][0]), tuple(reports[i][1])))
+
+
+def _node_key(node: str) -> tuple:
+    """Nodes in order: "IP [id]" by IPv4 address numerically (10.0.0.9 before 10.0.0.10), then
+    id (two Ray nodes on one host); other names after."""
+    address, _, rest = node.partition(" ")
+    parts = address.split(".")
+    return (0, *map(int, parts), rest) if len(parts) == 4 and all(p.isdigit() for p in parts) else (1, node)
 
 
 class PlacementError(ValueError):
@@ -61,7 +74,7 @@ def colocated_engine_placements(rank_gpus: Sequence[tuple[str, int]], tp: int) -
         if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
             raise PlacementError(f"rank {rank} on node {node}: Ray reported GPU id {gpu!r}, not a local GPU index "
                                  "(are CUDA_VISIBLE_DEVICES set to GPU UUIDs for Ray?); set integer ids")
-    order = sorted(range(len(rank_gpus)), key=lambda rank: (rank_gpus[rank][0], rank_gpus[rank][1]))
+    order = sorted(range(len(rank_gpus)), key=lambda rank: (_node_key(rank_gpus[rank][0]), rank_gpus[rank][1]))
     by_node: dict[str, list[int]] = {}
     for rank in order:
         by_node.setdefault(rank_gpus[rank][0], []).append(rank)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from megarl.config.schema import RunConfig
-from megarl.controller.worker_group import RunError, WorkerGroup, in_bundle, ready_placement_group
+from megarl.controller.worker_group import RunError, WorkerGroup, in_bundle, ready_placement_group, where_this_runs
 from megarl.faults import FaultPlan
 from megarl.metrics import Timeline
 from megarl.rollout.stream import RolloutStream
@@ -91,12 +91,13 @@ class RolloutManager:
             engine_cls = ray.remote(num_cpus=0)(RolloutWorker)
             pg = self.workers.placements[cfg.actor.pool]
             if gpu:  # each engine on rollout.tp consecutive GPUs of one node, beside the ranks that hold them
-                engines = [engine_cls.options(**in_bundle(pg, p.bundle)).remote(
+                engines = [engine_cls.options(**in_bundle(pg, self.workers.bundles[cfg.actor.pool][p.ranks[0]])).remote(
                     self.model_dir, r.tp, cfg.model.dtype,
                     {**engine_kwargs, "base_gpu_id": p.base_gpu_id, "env": {"CUDA_VISIBLE_DEVICES": p.visible_devices}})
                     for p in self._gpu_placements()]
             else:  # one per rollout.tp of the actor's ranks
-                engines = [engine_cls.options(**in_bundle(pg, e * r.tp)).remote(*engine_args)
+                engines = [engine_cls.options(**in_bundle(pg, self.workers.bundles[cfg.actor.pool][e * r.tp])).remote(
+                    *engine_args)
                            for e in range(max(1, cfg.world_size_for("actor") // r.tp))]
         where = (f"on their own pool {r.pool!r}" if r.placement == "separate" else "colocated")
         rows = ("one per prompt, its samples as branches (shared prompts)" if cfg.shared_prompt_rows
@@ -107,7 +108,7 @@ class RolloutManager:
 
     def _gpu_placements(self) -> list:
         """Colocated engines on GPUs: where each runs (``colocated_engine_placements``), from the node
-        and GPU Ray gave each of the actor's ranks (rank i is in bundle i of the actor's pool)."""
+        and GPU Ray gave each of the actor's ranks (``WorkerGroup.bundles``: rank i in bundle ``bundles[i]``)."""
         from megarl.controller.placement import PlacementError, colocated_engine_placements
 
         actor = self.workers.role_workers["actor"]
@@ -124,7 +125,7 @@ class RolloutManager:
         except PlacementError as exc:
             raise RunError(f"engine placement: {exc}") from None
         for e, p in enumerate(placements):
-            self.log(f"megarl: SGLang engine {e} on node {p.node[:12]}, GPUs {list(p.gpu_ids)} (Megatron ranks "
+            self.log(f"megarl: SGLang engine {e} on node {p.node.split()[0]}, GPUs {list(p.gpu_ids)} (Megatron ranks "
                      f"{list(p.ranks)}; CUDA_VISIBLE_DEVICES={p.visible_devices}, base_gpu_id={p.base_gpu_id})")
         return placements
 
@@ -416,13 +417,9 @@ class RolloutManager:
                 pass
 
 
-def _where_rank_runs(worker) -> tuple[str, list]:
-    """In a Megatron worker (``__ray_call__``): its Ray node id and the GPU ids Ray assigned it,
-    in the numbering of the node's ``CUDA_VISIBLE_DEVICES`` values (Ray sets the worker's
-    ``CUDA_VISIBLE_DEVICES`` to them, so its own torch device is always 0)."""
-    import ray
-
-    return ray.get_runtime_context().get_node_id(), list(ray.get_gpu_ids())
+def _where_rank_runs(worker) -> tuple[str, list[int]]:
+    """In a Megatron worker (``__ray_call__``): ``worker_group.where_this_runs``."""
+    return where_this_runs()
 
 
 def partial_rollout_metrics(versions: list[list[int]], step: int) -> dict[str, float]:

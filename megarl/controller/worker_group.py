@@ -37,13 +37,17 @@ class WorkerGroup:
         self.threads = start_ray(cfg)
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(MegatronWorker)
-        self.placements, self.groups = {}, {}  # pool -> its placement group, its Megatron workers
+        # pool -> its placement group, the bundle of each rank, its Megatron workers
+        self.placements, self.bundles, self.groups = {}, {}, {}
         for pool in cfg.megatron_pools():
             size = cfg.cluster.pool_sizes()[pool]
             pg = self.placements[pool] = ready_placement_group([bundle] * size)
+            order = self.bundles[pool] = ranks_in_node_order(pg, size, gpu) if gpu or cfg.cluster.nodes > 1 \
+                else list(range(size))
             # max_calls=1: the task's worker process exits after it (idle, it would keep ~200 MB of imports)
-            address, port = ray.get(ray.remote(num_cpus=0, max_calls=1)(_address).options(**in_bundle(pg, 0)).remote())
-            self.groups[pool] = [worker_cls.options(**in_bundle(pg, rank)).remote(
+            address, port = ray.get(ray.remote(num_cpus=0, max_calls=1)(_address).options(
+                **in_bundle(pg, order[0])).remote())
+            self.groups[pool] = [worker_cls.options(**in_bundle(pg, order[rank])).remote(
                 rank, size, address, port, self.threads, group=pool) for rank in range(size)]
         self.role_workers = {role: self.groups[cfg.pool_for(role)] for role in cfg.megatron_roles}
 
@@ -190,6 +194,27 @@ def in_bundle(group, index: int) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)}
+
+
+def ranks_in_node_order(group, size: int, gpu: bool) -> list[int]:
+    """The bundle of each rank of placement group ``group`` (``placement.bundle_order``): Ray
+    reports where each bundle is by running a task in it (holding its GPU, so that Ray names it)."""
+    import ray
+
+    from megarl.controller.placement import bundle_order
+
+    where = ray.remote(num_cpus=0, num_gpus=1 if gpu else 0, max_calls=1)(where_this_runs)
+    return bundle_order(ray.get([where.options(**in_bundle(group, i)).remote() for i in range(size)]))
+
+
+def where_this_runs() -> tuple[str, list[int]]:
+    """("node IP node id", GPU ids Ray assigned) of this task or actor; the GPU ids are in the
+    numbering of the node's ``CUDA_VISIBLE_DEVICES`` values (Ray sets the process's own
+    ``CUDA_VISIBLE_DEVICES`` to them, so its torch device is always 0)."""
+    import ray
+
+    node = f"{ray.util.get_node_ip_address()} {ray.get_runtime_context().get_node_id()}"
+    return node, [int(g) for g in ray.get_gpu_ids()]
 
 
 def _address() -> tuple[str, int]:

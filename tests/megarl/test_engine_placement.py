@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from megarl.controller.placement import PlacementError, colocated_engine_placements
+from megarl.controller.placement import PlacementError, bundle_order, colocated_engine_placements
 
 
 def shuffled_bundles(nodes: int, gpus: int = 8, seed: int = 0) -> list[tuple[str, int]]:
@@ -33,9 +33,30 @@ def test_engines_take_the_sorted_ranks(tp, nodes):
         assert p.base_gpu_id == first
         assert p.node_gpu_ids == tuple(range(8)) and p.visible_devices == "0,1,2,3,4,5,6,7"
         assert [bundles[rank] for rank in p.ranks] == [(p.node, g) for g in p.gpu_ids]  # its ranks' bundles
-        assert p.bundle == p.ranks[0]
     # every rank in exactly one engine
     assert sorted(rank for p in placements for rank in p.ranks) == list(range(nodes * 8))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_ranks_in_bundle_order_keep_tensor_parallel_groups_and_engines_on_consecutive_gpus(tp):
+    """Megatron rank r runs in bundle ``bundle_order(...)[r]``: every group of ``tp`` consecutive
+    ranks (a TP group; a colocated engine's ranks) is on one node and consecutive GPUs, and engine e
+    takes exactly ranks e*tp .. e*tp+tp-1, whatever order Ray's bundles came in."""
+    bundles = shuffled_bundles(2, seed=tp)
+    reports = [(f"10.0.0.{10 if node == 'node-0' else 9}", [gpu]) for node, gpu in bundles]
+    order = bundle_order(reports)
+    assert sorted(order) == list(range(16))
+    rank_gpus = [(reports[bundle][0], reports[bundle][1][0]) for bundle in order]
+    assert rank_gpus == [("10.0.0.9", g) for g in range(8)] + [("10.0.0.10", g) for g in range(8)]  # numeric IPs
+    for start in range(0, 16, tp):
+        group = rank_gpus[start:start + tp]
+        assert len({node for node, _ in group}) == 1 and [g for _, g in group] == list(range(group[0][1], group[0][1] + tp))
+    placements = colocated_engine_placements(rank_gpus, tp)
+    assert [p.ranks for p in placements] == [tuple(range(e * tp, e * tp + tp)) for e in range(16 // tp)]
+
+
+def test_cpu_bundles_keep_their_order_within_a_node():
+    assert bundle_order([("b", []), ("a", []), ("b", []), ("a", [])]) == [1, 3, 0, 2]
 
 
 def test_sorted_bundles_keep_the_rank_order():
@@ -114,8 +135,9 @@ def start_engines(monkeypatch, device, bundles, tp):
                                                                sequence_packing=False),
         cluster=SimpleNamespace(device=device), model=SimpleNamespace(dtype="bfloat16"), shared_prompt_rows=False,
         world_size_for=lambda role: len(bundles))
-    workers = SimpleNamespace(placements={"global": object()}, threads=3,
-                              role_workers={"actor": [FakeWorker(*b) for b in bundles]},
+    order = bundle_order([(node, [gpu]) for node, gpu in bundles])  # what WorkerGroup does: rank r in bundle order[r]
+    workers = SimpleNamespace(placements={"global": object()}, threads=3, bundles={"global": order},
+                              role_workers={"actor": [FakeWorker(*bundles[b]) for b in order]},
                               names=lambda role: [f"rank {i}" for i in range(len(bundles))],
                               gather=lambda refs, who, phase: list(refs))
     manager = RolloutManager.__new__(RolloutManager)
