@@ -5,7 +5,9 @@ brings its data and its step, and calls ``Run.fit`` with itself as the ``StepPro
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -17,6 +19,23 @@ from megarl.faults import FaultPlan
 from megarl.metrics import MetricsLogger, Timeline
 
 TIMELINE_FILE = "timeline.json"
+# Seconds launch_scripts/ray_on_slurm.sh gives the driver between SIGTERM and SIGKILL
+GRACE_ENV = "MEGARL_DRIVER_GRACE"
+
+
+def grace_warning(step_s: float, save_s: float, grace: str | None) -> str | None:
+    """What to tell the user when a preempted run could not save in time: on SIGTERM the driver
+    finishes its step, then saves, within ``grace`` seconds (``MEGARL_DRIVER_GRACE``, None when
+    not under the Slurm script). None while the last step and save fit with a quarter to spare."""
+    if not grace:
+        return None
+    needed = step_s + save_s
+    if needed <= 0.75 * float(grace):
+        return None
+    return (f"megarl: WARNING: a step ({step_s:.0f} s) and a checkpoint save ({save_s:.0f} s) take {needed:.0f} s, "
+            f"more than 3/4 of the {float(grace):g} s a preempted driver gets after SIGTERM ({GRACE_ENV}); raise "
+            f"{GRACE_ENV} and the sbatch --signal=B:USR1@<seconds> lead time above {needed / 0.75:.0f} s, or the "
+            "preemption's checkpoint may be cut off (the run then resumes from the one before)")
 
 
 class StepProgram(Protocol):
@@ -93,9 +112,12 @@ class Run:
         logger = MetricsLogger(self.out, cfg.trainer.loggers, total_steps=cfg.trainer.total_steps,
                                headline=program.HEADLINE, first_step=self.step)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        warned = False
         try:
             while self.step < cfg.trainer.total_steps:
+                started = time.perf_counter()
                 metrics = program.train_step()
+                step_s = time.perf_counter() - started
                 self.step += 1
                 metrics["step"] = self.step
                 history.append(metrics)
@@ -103,7 +125,12 @@ class Run:
                     logger.log(metrics)
                 last = self.step == cfg.trainer.total_steps
                 if self._stop_requested or last or (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0):
+                    started = time.perf_counter()
                     self.checkpointer.save(self.step, program.run_state())
+                    warning = grace_warning(step_s, time.perf_counter() - started, os.environ.get(GRACE_ENV))
+                    if warning and not warned:
+                        self.log(warning)
+                        warned = True
                 if self._stop_requested:
                     self.log(f"megarl: SIGTERM: saved step {self.step}, exiting")
                     break

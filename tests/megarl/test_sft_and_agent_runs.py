@@ -19,15 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from megarl.controller.run import GRACE_ENV, grace_warning
 from tests.megarl.test_trainer import _kill_session, _metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _megarl(command: str, config: str, overrides: dict, timeout_s: float = 600, faults: str = "") -> tuple[int, str]:
+def _megarl(command: str, config: str, overrides: dict, timeout_s: float = 600, faults: str = "",
+            env: dict | None = None) -> tuple[int, str]:
     args = [sys.executable, "-m", "megarl.cli", command, str(ROOT / config)] + [f"{k}={v}" for k, v in overrides.items()]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "MEGARL_FAULTS": faults})
+                            start_new_session=True, env={**os.environ, "MEGARL_FAULTS": faults, **(env or {})})
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     finally:
@@ -45,7 +47,8 @@ def sft_run(tmp_path_factory):
                  "trainer.loggers": "[console]", "trainer.total_steps": 24, "trainer.save_every": 12}
     code, failed = _megarl("sft", "configs/sft_chat_arith.yaml", overrides, faults="checkpoint_enospc@24")
     code_after_failure, failed_steps = code, _metrics(root / "out")
-    code, output = _megarl("sft", "configs/sft_chat_arith.yaml", overrides)  # the same command, resumed
+    # the same command, resumed, as the Slurm script runs it with a (here absurdly short) SIGTERM grace
+    code, output = _megarl("sft", "configs/sft_chat_arith.yaml", overrides, env={GRACE_ENV: "0.01"})
     assert code == 0, output[-3000:]
     return root, (code_after_failure, failed, failed_steps), output
 
@@ -81,6 +84,19 @@ def test_sft_survives_a_failed_save_and_resumes_exactly(sft_run):
     steps = _metrics(root / "out")
     assert [m["step"] for m in steps] == list(range(1, 25))
     assert [m["actor/nll"] for m in steps[12:]] == pytest.approx([m["actor/nll"] for m in failed_steps[12:]], rel=1e-5)
+
+
+def test_a_step_and_save_outlasting_the_sigterm_grace_is_warned_of_once(sft_run):
+    _, _, resumed = sft_run
+    warnings = [line for line in resumed.splitlines() if "WARNING: a step" in line]
+    assert len(warnings) == 1 and f"of the 0.01 s a preempted driver gets after SIGTERM ({GRACE_ENV})" in warnings[0]
+
+
+def test_the_grace_warning_keeps_a_quarter_of_the_grace_to_spare():
+    assert grace_warning(300, 150, None) is None  # not under the Slurm script
+    assert grace_warning(300, 150, "600") is None  # 450 s = 3/4 of 600
+    warning = grace_warning(300, 151, "600")
+    assert "take 451 s, more than 3/4 of the 600 s" in warning and "above 601 s" in warning
 
 
 def test_sft_loss_falls_and_the_export_loads(sft_run):
