@@ -47,8 +47,11 @@ class WorkerGroup:
             # max_calls=1: the task's worker process exits after it (idle, it would keep ~200 MB of imports)
             address, port = ray.get(ray.remote(num_cpus=0, max_calls=1)(_address).options(
                 **in_bundle(pg, order[0])).remote())
+            # a collective may wait as long as a phase may last (the first one, after setup, waits for
+            # the slowest rank's load): torch.distributed's watchdog must not abort it sooner
             self.groups[pool] = [worker_cls.options(**in_bundle(pg, order[rank])).remote(
-                rank, size, address, port, self.threads, group=pool) for rank in range(size)]
+                rank, size, address, port, self.threads, timeout_s=cfg.trainer.phase_timeout_s, group=pool)
+                for rank in range(size)]
         self.role_workers = {role: self.groups[cfg.pool_for(role)] for role in cfg.megatron_roles}
 
     def setup(self, specs: list, model_dir: str) -> list[dict]:
