@@ -17,7 +17,7 @@ Phases of a pool (what is on a GPU at the same time):
 * generate: resident + SGLang's static reservation (colocated rollout).
 * <role> update / forward: resident + that role's activations (and logits) + SGLang's
   reservation. The trainer asks colocated engines to release their memory while Megatron
-  trains (``RolloutManager.hold_memory``), but that is not yet tested on GPUs, so the plan
+  trains (``RolloutManager.release_memory``), but that is not yet tested on GPUs, so the plan
   still counts it (conservative).
 * plus ``parallel.memory.RUNTIME_RESERVE_BYTES`` (CUDA context, NCCL, fragmentation) everywhere.
 

@@ -278,6 +278,11 @@ class RolloutConfig(_Section):
     max_engine_restarts: Int = bounded(2, ge=0, fix="use e.g. 2 (0: a dead engine stops the run)")
     # SGLang's static memory fraction (weights + KV cache)
     mem_fraction_static: Float = bounded(0.5, gt=0, lt=1, fix="use e.g. 0.5 when colocated, 0.85 on a separate pool")
+    # the longest an engine may take to start, and to answer one call (a generation, a weight sync);
+    # null = derived from the model's parameters and max_new_tokens (docs/rollout.md)
+    startup_timeout_s: Float | None = bounded(None, gt=0, fix="use null (derived from the model) or e.g. 1200")
+    call_timeout_s: Float | None = bounded(None, gt=0, fix="use null (derived from the model and max_new_tokens) "
+                                                           "or e.g. 1800")
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     @property

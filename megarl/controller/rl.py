@@ -107,7 +107,7 @@ class RLTrainer:
         start = time.perf_counter()
         with timed("generate"):  # ahead of training: the wait for the batch generated meanwhile
             batch = self.rollout.next_batch(self.step)
-        self.rollout.hold_memory(False)
+        self.rollout.release_memory()  # colocated on GPUs: the engines' memory, until the sync
         with timed("reward"):
             scores, reward_stats = self.score(batch)
         if cfg.algorithm.dynamic_sampling.enabled:
@@ -131,8 +131,7 @@ class RLTrainer:
             self.save_rollouts(batch, scores, self.step + 1)
         with timed("update"):
             metrics.update(workers.update(batch, self.step + 1))
-        with timed("sync"):
-            self.rollout.hold_memory(True)
+        with timed("sync"):  # (released engines take their memory back around it)
             metrics.update(self.rollout.sync_weights(self.step + 1))
         metrics.update(rl_step_metrics(batch, scores, reward_stats, self.step, time.perf_counter() - start))
         metrics["perf/train_tflops_per_s"] = train_tflops_per_s(self.run.hf_config, batch, metrics["time/update_s"])
@@ -160,9 +159,8 @@ class RLTrainer:
         filler = GroupFiller(self.cfg.data.batch_size)
         filler.add(batch, scores, reward_stats)
         while not filler.full and filler.rounds < self.cfg.algorithm.dynamic_sampling.max_rounds:
-            self.rollout.hold_memory(True)
-            more = self.rollout.next_batch(self.step, draw=filler.rounds)
-            self.rollout.hold_memory(False)
+            more = self.rollout.next_batch(self.step, draw=filler.rounds)  # resyncs released engines first
+            self.rollout.release_memory()
             filler.add(more, *self.score(more))
         batch, scores, reward_stats, sampling = filler.batch()
         metrics.update(sampling)

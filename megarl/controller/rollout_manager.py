@@ -43,6 +43,34 @@ def weight_sync_rounds(cfg: RunConfig, hf_config: dict, layer_spec: str = "local
     return plans
 
 
+def engines_share_gpus(cfg: RunConfig) -> bool:
+    """Colocated engines on GPUs: they give their memory to Megatron while it computes."""
+    return cfg.rollout.placement == "colocated" and cfg.cluster.device == "gpu"
+
+
+def engine_settings(cfg: RunConfig, hf_config: dict) -> dict[str, Any]:
+    """The ``SGLangEngine`` keyword arguments of every engine of the run (where each runs is added
+    per engine). Engines start from dummy weights (SGLang's ``load_format="dummy"``: no checkpoint
+    read); the manager syncs the actor's weights into them before their first generation.
+    Colocated on GPUs, SGLang's memory saver makes ``release_memory`` free their memory."""
+    from megarl.rollout.engine_worker import engine_timeouts
+    from model_specs.arithmetic import total_parameters
+
+    r = cfg.rollout
+    startup_s, call_s = engine_timeouts(total_parameters(hf_config), r.max_new_tokens)
+    settings: dict[str, Any] = {
+        "random_seed": cfg.trainer.seed, "ep_size": r.ep, "load_format": "dummy",
+        "startup_timeout_s": startup_s if r.startup_timeout_s is None else r.startup_timeout_s,
+        "call_timeout_s": call_s if r.call_timeout_s is None else r.call_timeout_s}
+    if cfg.actor.routing_replay:
+        settings["enable_return_routed_experts"] = True
+    if cfg.cluster.device == "gpu":
+        settings["mem_fraction_static"] = r.mem_fraction_static
+    if engines_share_gpus(cfg):
+        settings["enable_memory_saver"] = True
+    return settings
+
+
 class RolloutManager:
     """The run's engines, started beside ``workers`` (whose actor ranks hold the weights), and
     the prompts of ``loader`` they generate from. ``agent``: the multi-turn loop, or None."""
@@ -58,24 +86,24 @@ class RolloutManager:
         self._data_lock = threading.Lock()
         self._data_before: dict[int, dict] = {}
         self._published = 0  # the updates in the newest weights published to the engines
-        self.engines = self._start_engines()
+        # False while the engines hold no weights of the actor's (dummy weights at start, or
+        # released memory): the next generation syncs the actor's current weights first
+        self._engines_hold_actor = False
+        self._released = False  # the engines' memory is released (engines_share_gpus)
+        self.engines = self._start_engines(engine_settings(cfg, hf_config))
         self.sync_rounds = weight_sync_rounds(cfg, hf_config, actor_layer_spec)
         self._call_engines("generate", [[1]], [{"max_new_tokens": 1}], None)  # the engines are up
 
-    def _start_engines(self) -> list:
-        """One SGLang engine per ``rollout.tp`` ranks (colocated or on the rollout's pool)."""
+    def _start_engines(self, engine_kwargs: dict[str, Any]) -> list:
+        """One SGLang engine per ``rollout.tp`` ranks (colocated or on the rollout's pool), each
+        started with ``engine_kwargs`` (``engine_settings``)."""
         import ray
 
         from megarl.rollout.engine_worker import RolloutWorker
 
         cfg, r = self.cfg, self.cfg.rollout
         gpu = cfg.cluster.device == "gpu"
-        engine_kwargs: dict[str, Any] = {"random_seed": cfg.trainer.seed, "ep_size": r.ep}
-        if cfg.actor.routing_replay:
-            engine_kwargs["enable_return_routed_experts"] = True
-        if gpu:
-            engine_kwargs["mem_fraction_static"] = r.mem_fraction_static
-        else:  # each engine rank gets a Megatron rank's share of the cores; without this it would
+        if not gpu:  # each engine rank gets a Megatron rank's share of the cores; without this it would
             # inherit the OMP_NUM_THREADS=1 (or =num_cpus) that Ray sets for its actors: 1.6x slower
             engine_kwargs["env"] = {"OMP_NUM_THREADS": str(self.workers.threads)}
         engine_args = (self.model_dir, r.tp, cfg.model.dtype, engine_kwargs)
@@ -103,7 +131,8 @@ class RolloutManager:
         rows = ("one per prompt, its samples as branches (shared prompts)" if cfg.shared_prompt_rows
                 else "one packed row per micro-batch" if cfg.actor.sequence_packing else "one per sample")
         replay = "; routing replay: the actor's routers use the engines' experts" if cfg.actor.routing_replay else ""
-        self.log(f"megarl: {len(engines)} SGLang engine(s) of TP={r.tp} {where}; rows: {rows}{replay}")
+        self.log(f"megarl: {len(engines)} SGLang engine(s) of TP={r.tp} {where}; rows: {rows}{replay}; deadlines: "
+                 f"start {engine_kwargs['startup_timeout_s']:g} s, call {engine_kwargs['call_timeout_s']:g} s")
         return engines
 
     def _gpu_placements(self) -> list:
@@ -136,12 +165,13 @@ class RolloutManager:
         return self.workers.gather([getattr(e, method).remote(*args) for e in self.engines], self._engine_names(),
                                    method)
 
-    def hold_memory(self, hold: bool) -> None:
-        """Hybrid engine on GPUs: colocated engines free their weights and KV cache while Megatron
-        trains (``hold=False``) and take them back before the weight sync refills them. Nothing
-        to do on CPU or with a separate rollout pool."""
-        if self.cfg.rollout.placement == "colocated" and self.cfg.cluster.device == "gpu":
-            self._call_engines("resume_memory" if hold else "release_memory")
+    def release_memory(self) -> None:
+        """Colocated engines on GPUs give their weights, KV cache and CUDA graphs to Megatron until
+        the next weight sync (or generation, which syncs first) takes them back. Nothing to do on
+        CPU or with a separate rollout pool."""
+        if engines_share_gpus(self.cfg) and not self._released:
+            self._call_engines("release_memory")
+            self._released, self._engines_hold_actor = True, False
 
     # ------------------------------------------------------------------ generation
 
@@ -150,6 +180,8 @@ class RolloutManager:
         (``rollout.mode=sync``; ``draw``: the step's earlier draws, as dynamic sampling makes), or
         taken from the generation running ahead of training (``RolloutStream``, started at the
         first call)."""
+        if not self._engines_hold_actor:  # a fresh run's engines (dummy weights), or released memory
+            self.sync_weights(trained)
         if self.cfg.rollout.mode == "sync":
             return self.generate(self.loader.next_batch(), trained, draw=draw)
         if self.stream is None:
@@ -368,6 +400,8 @@ class RolloutManager:
         parameters, in place, verified; with generation ahead of training (``self.stream``) the
         engines take them before their next generation, and the metrics are those of the applies
         done since the last call."""
+        if self._released:  # Megatron's cached free blocks go back to the device first
+            self.workers.call("release_cached_memory")
         payload = self._weight_payload()
         self._published = version
         if self.stream is None:
@@ -398,6 +432,7 @@ class RolloutManager:
         started = time.time()
         results = self.workers.gather([engine.update_weights.remote(*args) for engine, args in zip(self.engines, payload)],
                                       self._engine_names(), "weight sync")
+        self._engines_hold_actor, self._released = True, False
         if self.stream is not None:
             self.timeline.span("apply weights", "rollout", started, time.time(), self._published)
         return {"sync/bytes": sum(r["bytes"] for r in results), "sync/buckets": results[0]["buckets"],

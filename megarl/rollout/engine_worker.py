@@ -16,7 +16,7 @@ from megarl.rollout.weight_sync import shards_from_transport, sync_weights
 
 class RolloutWorker:
     """Generation with sampling params, in-place weight updates with the parity probe, and the
-    colocated release/resume of engine memory (no-ops on CPU)."""
+    colocated release of engine memory that the next update takes back."""
 
     def __init__(self, model_path: str, tp_size: int, dtype: str, engine_kwargs: dict[str, Any]):
         self._start = lambda: SGLangEngine(model_path, tp_size=tp_size, dtype=dtype, **engine_kwargs)  # noqa: E731
@@ -40,13 +40,27 @@ class RolloutWorker:
     def update_weights(self, *per_rank: dict[str, tuple] | bytes | None) -> dict[str, float]:
         """Copy each engine rank's shards (argument r = rank r, as ``shards_for_transport`` packs
         them, or a trainer's ``SharedMemoryStaging.named`` payload of them) in place and verify
-        checksums."""
+        checksums. A sync writes every parameter: the engine's own (dummy-loaded at start, or
+        discarded by :meth:`release_memory`) are never served. After a release it takes the
+        weights' memory back first and the KV cache's and CUDA graphs' after the sync, so the two
+        never need room at once."""
         if any(tensors is None for tensors in per_rank):
             raise ValueError("weight sync: an engine rank received no shards (the plan's destinations "
                              "and the engine's ranks disagree)")
+        tensors = [staged_tensors(shards) if isinstance(shards, bytes) else shards_from_transport(shards)
+                   for shards in per_rank]
+        for rank, (sent, known) in enumerate(zip(tensors, self.engine.rank_parameter_names())):
+            if known - set(sent):
+                raise ValueError(f"weight sync: engine rank {rank} would keep its own values of "
+                                 f"{sorted(known - set(sent))[:5]}: a sync writes every parameter")
+        released = self.engine.memory_released
+        if released:
+            self.engine.resume_memory(weights=True)
         self._stale_prefix_cache = True  # flushed by the next generate (cheaply, when it re-seeds)
-        return sync_weights(self.engine, [staged_tensors(shards) if isinstance(shards, bytes) else
-                                          shards_from_transport(shards) for shards in per_rank], flush_cache=False)
+        stats = sync_weights(self.engine, tensors, flush_cache=False)
+        if released:
+            self.engine.resume_memory(weights=False)
+        return stats
 
     def restart(self) -> int:
         """Replace the engine (dead, or to be replaced) by a fresh one with the same arguments; it
@@ -66,15 +80,23 @@ class RolloutWorker:
         return self.engine.pid
 
     def release_memory(self) -> None:
-        if self.engine.device != "cpu":
-            self.engine.call("release_memory_occupation")
-
-    def resume_memory(self) -> None:
-        if self.engine.device != "cpu":
-            self.engine.call("resume_memory_occupation")
+        """Colocated on GPUs, while Megatron trains: the engine gives back its weights, KV cache and
+        CUDA graphs (``SGLangEngine.release_memory``); the next :meth:`update_weights` takes them back."""
+        self.engine.release_memory()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def engine_timeouts(parameters: int, max_new_tokens: int) -> tuple[float, float]:
+    """The longest an engine may take to start and to answer one call, in seconds, for a model of
+    ``parameters`` (B billion) generating up to ``max_new_tokens`` per call (where
+    ``rollout.startup_timeout_s`` / ``rollout.call_timeout_s`` are null; docs/rollout.md):
+    start = 600 + 5 B (imports, process groups, KV pool, CUDA-graph capture; weights are not
+    read: engines start from dummy weights); call = 300 + max_new_tokens x (0.05 + 0.002 B) + 4 B
+    (one decode step per new token, slower for larger models; a weight sync's push and checksums)."""
+    billions = parameters / 1e9
+    return 600 + 5 * billions, 300 + max_new_tokens * (0.05 + 0.002 * billions) + 4 * billions
 
 
 def engine_shares(num_samples: int, num_engines: int) -> list[list[int]]:

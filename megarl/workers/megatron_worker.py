@@ -502,6 +502,11 @@ class MegatronWorker:
         model = self.models["actor"]
         export_hf_checkpoint(model.chunks, model.hf_config, model.spec.layout, target)
 
+    def release_cached_memory(self) -> None:
+        """Give the CUDA caching allocator's free blocks back to the device (after an update), so
+        that colocated SGLang engines can take their memory back; nothing to do without CUDA."""
+        torch.cuda.empty_cache()
+
     def shutdown(self) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state

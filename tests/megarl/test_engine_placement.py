@@ -142,7 +142,8 @@ def start_engines(monkeypatch, device, bundles, tp):
                               gather=lambda refs, who, phase: list(refs))
     manager = RolloutManager.__new__(RolloutManager)
     manager.cfg, manager.workers, manager.model_dir, manager.log = cfg, workers, "/model", lambda line: None
-    assert len(manager._start_engines()) == len(bundles) // tp
+    settings = {"mem_fraction_static": 0.5, "startup_timeout_s": 600.0, "call_timeout_s": 300.0}  # as engine_settings gives them
+    assert len(manager._start_engines(settings)) == len(bundles) // tp
     return FakeRemote.started
 
 

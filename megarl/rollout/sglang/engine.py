@@ -23,6 +23,10 @@ rank's own parameters (one payload per rank, SGLang's ``load_format="direct"``, 
 :meth:`SGLangEngine.rank_parameter_checksums` reads back what every rank holds, hashed inside the
 scheduler processes.
 
+Colocated memory: :meth:`SGLangEngine.release_memory` gives back every GPU memory type SGLang tags
+and :meth:`SGLangEngine.resume_memory` takes back the weights' (before a full sync) or the rest
+(after it), with SGLang's own tag constants (in the engine process).
+
 Reproducible sampling: :meth:`SGLangEngine.reseed` puts every scheduler (TP rank) into the
 sampling state of a freshly started engine whose ``random_seed`` is the given seed (through the
 ``megarl_reseed`` method :mod:`megarl.rollout.sglang.patches` adds to SGLang's scheduler).
@@ -198,6 +202,7 @@ class SGLangEngine:
         self._closed = False
         self._weight_update_open = False  # between begin_weight_update and end_weight_update
         self._parameter_names: list[frozenset[str]] | None = None
+        self._released: set[str] = set()  # what release_memory gave back and resume_memory did not take yet
         self._staging = SharedMemoryStaging()
         self._conn.send(kwargs)
         self.info = self._wait_reply(startup_timeout_s, "startup")
@@ -233,6 +238,7 @@ class SGLangEngine:
         engine started with ``enable_return_routed_experts=True``), ``routed_experts``: the
         experts SGLang routed each position of prompt + output (but the last) to, an int32 tensor
         [positions, layers, top-k] of global expert ids."""
+        self._refuse_while_released("generate")
         results = self.call("generate", input_ids, sampling_params, return_logprob, return_routed_experts,
                             timeout_s=timeout_s)
         if return_routed_experts:
@@ -265,6 +271,7 @@ class SGLangEngine:
         makes batch formation, and so the tokens, timing dependent: repeat prompts instead.
         Raises :class:`EngineError` when a scheduler refused (e.g. requests still in flight).
         """
+        self._refuse_while_released("reseed")
         value = None if isinstance(seed, bool) or not hasattr(seed, "__index__") else seed.__index__()
         if value is None or not 0 <= value < 2**32:
             raise ValueError(f"reseed: seed must be an integer in [0, 2**32) (numpy's seed range), "
@@ -319,6 +326,9 @@ class SGLangEngine:
         if not self._weight_update_open:
             raise RuntimeError("update_weights_direct must run inside engine.weight_update() "
                                "(SGLang refuses weight updates outside a begin/end session)")
+        if "weights" in self._released:
+            raise RuntimeError("update_weights_direct: the engine's weights are released (release_memory); "
+                               "resume_memory(weights=True) first")
         if len(per_rank) != self.tp_size:
             raise ValueError(f"update_weights_direct got {len(per_rank)} per-rank dicts for an engine "
                              f"with tp_size={self.tp_size}: pass exactly one dict per TP rank")
@@ -342,6 +352,42 @@ class SGLangEngine:
     def flush_cache(self, timeout_s: float | None = None) -> bool:
         """Flush SGLang's prefix (radix) cache; False when SGLang refused (requests in flight)."""
         return self.call("flush_cache", timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------ memory (colocated engines)
+
+    @property
+    def memory_released(self) -> bool:
+        """Whether :meth:`release_memory` gave memory back that is not resumed yet."""
+        return bool(self._released)
+
+    def release_memory(self, timeout_s: float | None = None) -> None:
+        """Give back every GPU memory type SGLang tags (its ``GPU_MEMORY_ALL_TYPES``: weights, KV
+        cache, CUDA graphs; the prefix cache is flushed), while no request runs. Freed only on an
+        engine started with ``enable_memory_saver=True`` (GPU), where the weights are discarded
+        (SGLang keeps no copy without ``enable_weights_cpu_backup``): after ``resume_memory(weights=True)``
+        they hold garbage until a full weight sync. Without the saver (CPU) SGLang runs the same
+        steps and frees nothing. Until both parts are resumed, :meth:`generate` is refused."""
+        if self._released:
+            raise RuntimeError("release_memory: the engine's memory is released already")
+        self.rank_parameter_names()  # read (once) while the weights are there: a sync checks names against them
+        self.call("release_memory", timeout_s=timeout_s)
+        self._released = {"weights", "the KV cache and CUDA graphs"}
+
+    def resume_memory(self, weights: bool, timeout_s: float | None = None) -> None:
+        """Take back the weights' memory (``weights=True``; then write every parameter: see
+        :meth:`release_memory`) or the KV cache's and CUDA graphs' (``weights=False``), released by
+        :meth:`release_memory` (SGLang kills the scheduler that resumes a type it did not release)."""
+        part = "weights" if weights else "the KV cache and CUDA graphs"
+        if part not in self._released:
+            raise RuntimeError(f"resume_memory: {part} of the engine are not released")
+        self.call("resume_memory", weights, timeout_s=timeout_s)
+        self._released.discard(part)
+
+    def _refuse_while_released(self, what: str) -> None:
+        """Generation needs the weights and the KV cache (and on GPU the CUDA graphs) in place."""
+        if self._released:
+            raise RuntimeError(f"{what}: the engine's {' and '.join(sorted(self._released))} are released "
+                               "(release_memory); resume them first (the weights for a full weight sync)")
 
     def rank_parameter_names(self) -> list[frozenset[str]]:
         """Per TP rank, the names :meth:`update_weights_direct` accepts (SGLang's parameter names).

@@ -102,6 +102,21 @@ def _do_flush_cache(engine):
     return bool(engine.flush_cache().success)
 
 
+def _do_release_memory(engine):
+    """SGLang's release of every GPU memory type it tags (weights, KV cache, CUDA graphs)."""
+    from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+
+    engine.release_memory_occupation(tags=list(GPU_MEMORY_ALL_TYPES))
+
+
+def _do_resume_memory(engine, weights: bool):
+    """SGLang's resume of the weights' memory (``weights``), or of every other type it tags."""
+    from sglang.srt.constants import GPU_MEMORY_ALL_TYPES, GPU_MEMORY_TYPE_WEIGHTS
+
+    tags = [GPU_MEMORY_TYPE_WEIGHTS] if weights else [t for t in GPU_MEMORY_ALL_TYPES if t != GPU_MEMORY_TYPE_WEIGHTS]
+    engine.resume_memory_occupation(tags=tags)
+
+
 def _do_rank_parameter_checksums(engine):
     from sglang.srt.managers.io_struct import CheckWeightsReqInput
 
@@ -122,6 +137,8 @@ _HELPERS = {
     "flush_cache": _do_flush_cache,
     "reseed": _do_reseed,
     "rank_parameter_checksums": _do_rank_parameter_checksums,
+    "release_memory": _do_release_memory,
+    "resume_memory": _do_resume_memory,  # args: weights (True) or the rest (False)
 }
 
 

@@ -1,13 +1,22 @@
 """End to end: a Megatron actor (TP=2) trains one step, the resharding plan syncs the trained
-weights into running SGLang engines (TP=2 and TP=1), and the engines then generate exactly what
-HF transformers generates with the trained weights (greedy tokens equal, log-probs within 1e-4).
-The parity probe catches a corrupted shard and names it."""
+weights into running SGLang engines (TP=1 started from the checkpoint; TP=2 as a run starts and
+colocates it: dummy weights, its memory released as while Megatron trains), and the engines then
+generate exactly what HF transformers generates with the trained weights (greedy tokens equal,
+log-probs within 1e-4). The parity probe catches a corrupted shard and names it."""
 
 import pytest
 import torch
 
 from megarl.rollout import SGLangEngine
-from megarl.rollout.weight_sync import WeightSyncError, check_parity, logprob_probe, shard_checksums, sync_weights
+from megarl.rollout.engine_worker import RolloutWorker
+from megarl.rollout.weight_sync import (
+    WeightSyncError,
+    check_parity,
+    logprob_probe,
+    shard_checksums,
+    shards_for_transport,
+    sync_weights,
+)
 from model_specs.presets import save_tiny_hf_model
 from parallel.spawn import run_on_ranks
 from tests.megarl.rollout import rank_fns
@@ -39,13 +48,12 @@ def hf_greedy(path, prompt, steps):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("rollout_tp", [2, 1])
-def test_synced_engine_generates_like_hf_with_trained_weights(trained, rollout_tp):
+def test_synced_engine_generates_like_hf_with_trained_weights(trained):
     source, trained_dir, per_rank = trained
-    with SGLangEngine(str(source), tp_size=rollout_tp, startup_timeout_s=300, call_timeout_s=120) as engine:
+    with SGLangEngine(str(source), tp_size=1, startup_timeout_s=300, call_timeout_s=120) as engine:
         before = engine.generate([PROMPTS[0]], {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
         # Small buckets: several update calls, each a subset of the parameters on every rank.
-        stats = sync_weights(engine, per_rank[rollout_tp], bucket_bytes=64 << 10)  # + checksum parity probe
+        stats = sync_weights(engine, per_rank[1], bucket_bytes=64 << 10)  # + checksum parity probe
         assert stats["bytes"] > 0 and stats["buckets"] > 3
         for prompt in PROMPTS:
             ids, logprobs = hf_greedy(trained_dir, prompt, 8)
@@ -57,14 +65,54 @@ def test_synced_engine_generates_like_hf_with_trained_weights(trained, rollout_t
         trained_ids, trained_logprobs = hf_greedy(trained_dir, PROMPTS[0], 8)
         assert trained_ids != initial_ids or (trained_logprobs - initial_logprobs).abs().max() > 1e-2
 
-        if rollout_tp == 2:  # a flipped element in one shard is caught and named
-            expected = shard_checksums(per_rank[2])
-            corrupted = {"model.layers.1.mlp.down_proj.weight": per_rank[2][1]["model.layers.1.mlp.down_proj.weight"].clone()}
-            corrupted["model.layers.1.mlp.down_proj.weight"][3, 7] += 0.5
-            with engine.weight_update():
-                engine.update_weights_direct([{}, corrupted])
-            with pytest.raises(WeightSyncError, match="TP rank 1 holds model.layers.1.mlp.down_proj.weight"):
-                check_parity(engine, expected)
+
+@pytest.mark.timeout(600)
+def test_dummy_started_released_engine_serves_exactly_the_synced_weights(trained):
+    """A run's engine (RolloutWorker, TP=2): started from dummy weights, its memory released by
+    SGLang's own release of every tagged type, generation refused until the next sync; the sync
+    refuses to leave a parameter out, takes the weights' memory back, writes every parameter,
+    then takes the KV cache and CUDA graphs back; the engine then generates what HF does with the
+    trained weights. (On CPU SGLang's memory saver frees nothing; the calls and their order are
+    SGLang's real ones.)"""
+    source, trained_dir, per_rank = trained
+    greedy = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+    worker = RolloutWorker(str(source), 2, "float32", {"load_format": "dummy", "startup_timeout_s": 300,
+                                                       "call_timeout_s": 120})
+    try:
+        engine = worker.engine
+        assert (engine.engine_kwargs["load_format"], engine.call_timeout_s) == ("dummy", 120)
+        dummy = engine.generate([PROMPTS[0]], greedy, return_logprob=True)[0]
+        initial_ids, initial_logprobs = hf_greedy(source, PROMPTS[0], 8)
+        assert dummy["output_ids"] != initial_ids or \
+            (torch.tensor(dummy["output_logprobs"]) - initial_logprobs).abs().max() > 1e-2  # not the checkpoint
+
+        worker.release_memory()
+        with pytest.raises(RuntimeError, match="weights.*are released"):
+            worker.generate([PROMPTS[0]], [greedy], seed=3)
+        shards = [shards_for_transport(tensors) for tensors in per_rank[2]]
+        one_short = [dict(shards[0]), shards[1]]
+        del one_short[0]["model.norm.weight"]
+        with pytest.raises(ValueError, match=r"engine rank 0 would keep its own values of \['model.norm.weight'\]"):
+            worker.update_weights(*one_short)
+        assert engine.memory_released
+        stats = worker.update_weights(*shards)  # + checksum parity probe
+        assert stats["bytes"] > 0 and not engine.memory_released
+        for prompt in PROMPTS:
+            ids, logprobs = hf_greedy(trained_dir, prompt, 8)
+            out = worker.generate([prompt], [greedy], seed=None)[0]
+            assert out["output_ids"] == ids
+            assert torch.tensor(out["output_logprobs"]) == pytest.approx(logprobs, abs=1e-4)
+
+        # a flipped element in one shard is caught and named
+        expected = shard_checksums(per_rank[2])
+        corrupted = {"model.layers.1.mlp.down_proj.weight": per_rank[2][1]["model.layers.1.mlp.down_proj.weight"].clone()}
+        corrupted["model.layers.1.mlp.down_proj.weight"][3, 7] += 0.5
+        with engine.weight_update():
+            engine.update_weights_direct([{}, corrupted])
+        with pytest.raises(WeightSyncError, match="TP rank 1 holds model.layers.1.mlp.down_proj.weight"):
+            check_parity(engine, expected)
+    finally:
+        worker.shutdown()
 
 
 def test_shards_survive_the_ray_transport_packing():
