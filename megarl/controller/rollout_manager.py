@@ -60,6 +60,9 @@ def engine_settings(cfg: RunConfig, hf_config: dict) -> dict[str, Any]:
     startup_s, call_s = engine_timeouts(total_parameters(hf_config), r.max_new_tokens)
     settings: dict[str, Any] = {
         "random_seed": cfg.trainer.seed, "ep_size": r.ep, "load_format": "dummy",
+        # said, not detected: an engine actor holds no GPU of Ray's, and a Ray that then hides every
+        # GPU from it would silently start SGLang's CPU engine
+        "device": "cuda" if cfg.cluster.device == "gpu" else "cpu",
         "startup_timeout_s": startup_s if r.startup_timeout_s is None else r.startup_timeout_s,
         "call_timeout_s": call_s if r.call_timeout_s is None else r.call_timeout_s}
     if cfg.actor.routing_replay:

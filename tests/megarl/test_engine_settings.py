@@ -41,7 +41,7 @@ def test_engines_start_dummy_with_the_memory_saver_only_beside_megatron_on_gpus(
     assert cfg.cluster.device == device
     hf = PRESETS["llama3-70b"]
     settings = engine_settings(cfg, hf)
-    assert settings["load_format"] == "dummy"
+    assert settings["load_format"] == "dummy" and settings["device"] == {"gpu": "cuda", "cpu": "cpu"}[device]
     assert settings.get("enable_memory_saver", False) is saver
     assert "enable_weights_cpu_backup" not in settings  # every resume of the weights is followed by a full sync
     assert ("mem_fraction_static" in settings) == (device == "gpu")
