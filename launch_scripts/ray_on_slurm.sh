@@ -34,15 +34,21 @@
 #   MEGARL_VENV=DIR            python venv to use (DIR/bin goes first on PATH) on every node
 #   MEGARL_ACTIVATE='CMD'      shell command run before every command on every node instead
 #                              (e.g. 'module load cuda/12.4; source /opt/env/bin/activate')
-#   MEGARL_NET_IFACE=IFACE     network interface for Ray's node IPs and for NCCL/gloo
-#                              (sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME); default: the
-#                              address `hostname --ip-address` gives
+#   MEGARL_NET_IFACE=IFACE     network interface for Ray's node IPs and for NCCL/gloo sockets
+#                              (NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, unless set); default:
+#                              on each node, the interface its route to the head's address (the
+#                              head's name as another node resolves it) leaves through. A loopback
+#                              address is refused on a multi-node job; set it where the host names
+#                              resolve to a management network but the nodes share a faster one
+#   NCCL_DEBUG=WARN            NCCL's log level on every node (INFO: its whole story)
 #   RAY_PORT=6379              GCS port on the head node
 #   MEGARL_RAY_NUM_CPUS=N      CPUs Ray offers per node (default: $SLURM_CPUS_ON_NODE); CPU-only
 #                              runs: cluster.cpu_ranks_per_node
 #   MEGARL_RAY_NUM_GPUS=N      GPUs Ray offers per node (default: Ray's own detection)
 #   MEGARL_RAY_JOIN_TIMEOUT=300  seconds for all nodes to join Ray; a node that does not is named
-#   MEGARL_PREFLIGHT=1         0 skips `megarl preflight` (host, GPU count, all_reduce per node)
+#   MEGARL_PREFLIGHT=1         0 skips `megarl preflight` (hosts, GPUs, ulimits, /dev/shm, GPU health,
+#                              all_reduce bandwidth within and across nodes, NCCL's transport;
+#                              its floors: MEGARL_PREFLIGHT_INTRA_GBPS, _INTER_GBPS, _SHM_GIB, ...)
 #   MEGARL_PREFLIGHT_TIMEOUT=120 seconds the preflight may take
 #   MEGARL_PREFLIGHT_PORT=29555  its rendezvous port on the head node
 #   MEGARL_GPUS_PER_NODE=N     GPUs each node must see (default: from --gpus-per-node, else unchecked)
@@ -62,6 +68,11 @@
 #                              'ssh -o BatchMode=yes {node}'; the check script goes to its stdin
 #                              (`CMD bash -s -- ARGS`). Default: none (such a node is reported as
 #                              unverified and the job fails).
+#
+# On every node (and the batch node) the soft limits are raised: open files to 65535 and locked
+# memory to the hard limit (NCCL over InfiniBand needs unlimited; a node where it is not, on a
+# GPU job, is named). Ray's steps and the preflight get the node's CPUs (SLURM_JOB_CPUS_PER_NODE)
+# and --gres=gpu:<GPUs per node> explicitly.
 #
 # Teardown is verified: every process a `ray start` step starts (raylet, GCS, agents, workers)
 # carries MEGARL_RAY_STEP=<job id>:<node> in its environment and stays in the step's process group
@@ -104,19 +115,88 @@ NODE_STOP_GRACE=10  # seconds between SIGTERM and SIGKILL of leftover Ray proces
 if [ -n "${MEGARL_VENV:-}" ]; then
   export VIRTUAL_ENV=$MEGARL_VENV PATH="$MEGARL_VENV/bin:$PATH"
 fi
-if [ -n "${MEGARL_NET_IFACE:-}" ]; then
-  export NCCL_SOCKET_IFNAME=$MEGARL_NET_IFACE GLOO_SOCKET_IFNAME=$MEGARL_NET_IFACE
-fi
 export MEGARL_ACTIVATE=${MEGARL_ACTIVATE:-}
-# Every command on a node runs through this: the activation command first, then the command.
-ON_NODE=(bash -c 'eval "$MEGARL_ACTIVATE" || { echo "MEGARL_ACTIVATE failed on $(hostname)" >&2; exit 3; }; exec "$@"' on-node)
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # NCCL's warnings reach the logs; INFO for its whole story
+
+# Shell functions run on every node (and on the batch node); tests/launch_scripts/test_node_net.py
+# runs them under bash. No single quotes inside: the block is one single-quoted string.
+NODE_FUNCS='
+raise_limits() {  # soft open files up to 65535 and soft locked memory up to the hard limits (Slurm
+  local soft hard  # propagates the submitting shell soft limits, often 1024 and 64 KiB)
+  soft=$(ulimit -Sn); hard=$(ulimit -Hn)
+  if [ "$soft" != unlimited ] && [ "$soft" -lt 65535 ]; then
+    if [ "$hard" = unlimited ] || [ "$hard" -ge 65535 ]; then ulimit -Sn 65535; else ulimit -Sn "$hard"; fi
+  fi
+  ulimit -Sl "$(ulimit -Hl)" 2>/dev/null || true
+}
+route_dev() {  # route_dev "$(ip -o route get ADDR)": the interface the route leaves through
+  awk "{for (i = 1; i < NF; i++) if (\$i == \"dev\") {print \$(i + 1); exit}}" <<<"$1"
+}
+ip_int() {  # ip_int A.B.C.D: the address as one number
+  local a b c d; IFS=. read -r a b c d <<<"$1"; echo $(((a << 24) + (b << 16) + (c << 8) + d))
+}
+pick_ipv4() {  # pick_ipv4 "CIDR..." "ADDR...": the first ADDR inside one of the CIDRs (this node name
+  local cidr addr bits  # addresses), else the address of the first CIDR
+  for addr in $2; do
+    for cidr in $1; do
+      bits=${cidr#*/}
+      [ $(( ($(ip_int "$addr") ^ $(ip_int "${cidr%/*}")) >> (32 - bits) )) -eq 0 ] && { echo "$addr"; return; }
+    done
+  done
+  set -- $1; [ -z "${1:-}" ] || echo "${1%/*}"
+}
+net_iface() {  # net_iface ADDR: the interface this node reaches ADDR through; for one of its own
+  local route dev held  # addresses (a "local" route via lo), the interface that holds it
+  route=$(ip -o route get "$1" 2>/dev/null) || return 1
+  dev=$(route_dev "$route")
+  if [[ $route == local* ]]; then
+    held=$(ip -o -4 addr show | awk -v a="$1" "{split(\$4, p, \"/\"); if (p[1] == a) {print \$2; exit}}")
+    [ -n "$held" ] && dev=$held
+  fi
+  echo "$dev"
+}
+node_net() {  # node_net HEAD_ADDR NODES: "NODE IFACE IP MEMLOCK SPEED_MBPS" of this node, or "NODE error WHY"
+  local node=${SLURMD_NODENAME:-$(hostname -s)} iface ip speed
+  if [ -n "${MEGARL_NET_IFACE:-}" ]; then
+    iface=$MEGARL_NET_IFACE
+    ip -o link show dev "$iface" >/dev/null 2>&1 || { echo "$node error MEGARL_NET_IFACE=$iface: no such interface here (ip -o link lists them)"; return; }
+  else
+    iface=$(net_iface "$1") || { echo "$node error no route to the head address $1; set MEGARL_NET_IFACE to the interface the nodes share"; return; }
+  fi
+  ip=$(pick_ipv4 "$(ip -o -4 addr show dev "$iface" | awk "{print \$4}")" "$(getent ahostsv4 "$(hostname)" | awk "{print \$1}")")
+  [ -n "$ip" ] || { echo "$node error interface $iface has no IPv4 address; set MEGARL_NET_IFACE to one that has"; return; }
+  if [ "$2" -gt 1 ] && [ -z "${MEGARL_NET_IFACE:-}" ] && [[ $ip == 127.* ]]; then
+    echo "$node error the route to the head address $1 is the loopback interface $iface ($ip), which other nodes cannot reach; set MEGARL_NET_IFACE to the interface the nodes share (ib0, eth0, ...: ip -o -4 addr lists them)"; return
+  fi
+  speed=$(cat "/sys/class/net/$iface/speed" 2>/dev/null) || speed=?
+  echo "$node $iface $ip $(ulimit -l) ${speed:-?}"
+}
+node_env() {  # limits, and NCCL/gloo on this node interface (MEGARL_NODE_IFACES "NODE=IFACE ..."), unless set
+  local entry iface=""
+  raise_limits
+  for entry in ${MEGARL_NODE_IFACES:-}; do [ "${entry%%=*}" = "${SLURMD_NODENAME:-}" ] && iface=${entry#*=}; done
+  [ -n "$iface" ] && export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$iface} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$iface}
+  return 0
+}
+expand_counts() {  # expand_counts "72(x2),36" (SLURM_JOB_CPUS_PER_NODE): one count per node, "72 72 36"
+  local part i out=()
+  for part in ${1//,/ }; do
+    if [[ $part =~ ^([0-9]+)\(x([0-9]+)\)$ ]]; then
+      for ((i = 0; i < BASH_REMATCH[2]; i++)); do out+=("${BASH_REMATCH[1]}"); done
+    else out+=("$part"); fi
+  done
+  echo "${out[*]}"
+}
+'
+eval "$NODE_FUNCS"
+raise_limits  # here too: srun passes this shell's limits on to the steps
+# Every command on a node runs through this: limits and network variables, the activation command, then the command.
+ON_NODE=(bash -c "$NODE_FUNCS"'node_env; eval "$MEGARL_ACTIVATE" || { echo "MEGARL_ACTIVATE failed on $(hostname)" >&2; exit 3; }; exec "$@"' on-node)
 # The driver runs through this wrapper: Slurm delivers a forwarded signal to every process of the
 # step, so the driver starts with USR2 ignored, and the wrapper turns USR2 into SIGTERM for it.
-DRIVER_TASK=(bash -c 'eval "$MEGARL_ACTIVATE" || exit 3; trap "" USR2; "$@" & child=$!
+DRIVER_TASK=(bash -c "$NODE_FUNCS"'node_env; eval "$MEGARL_ACTIVATE" || exit 3; trap "" USR2; "$@" & child=$!
   trap "kill -TERM $child 2>/dev/null" USR2
   while :; do wait "$child"; rc=$?; kill -0 "$child" 2>/dev/null || exit "$rc"; done' driver)
-# This node's IP: of MEGARL_NET_IFACE, else the first address of its host name.
-NODE_IP='if [ -n "${MEGARL_NET_IFACE:-}" ]; then ip -4 -o addr show dev "$MEGARL_NET_IFACE" | awk "{print \$4}" | cut -d/ -f1 | head -n1; else hostname --ip-address | awk "{print \$1}"; fi'
 eval "$MEGARL_ACTIVATE" || { err "MEGARL_ACTIVATE failed on the batch node $(hostname)"; exit 3; }
 
 # The per-node check of the teardown (and of the start-up record), run on a node by
@@ -432,23 +512,59 @@ if [ "${MEGARL_CHECK_CONFIG:-1}" = 1 ] && [ "${1:-}" = megarl ] && [ "${2:-}" = 
 fi
 
 # ---------------------------------------------------------------- addresses
-HEAD_IP=$(timeout 60 srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${ON_NODE[@]}" bash -c "$NODE_IP" | head -n1)
-[ -n "$HEAD_IP" ] || fail "could not get the IP of head node $HEAD${MEGARL_NET_IFACE:+ on interface $MEGARL_NET_IFACE}"
-declare -A IP_OF=()
-while read -r host ip; do IP_OF[$host]=$ip; done < <(timeout 60 srun --overlap --nodes="$N" --ntasks-per-node=1 \
-  "${ON_NODE[@]}" bash -c "echo \$SLURMD_NODENAME \$($NODE_IP)")
+# The head's address as the other nodes resolve its name (a head's own /etc/hosts may map it to
+# 127.0.1.1); each node then takes the interface its route to that address leaves through, or
+# MEGARL_NET_IFACE, and its IPv4 there (node_net). Ray, gloo and NCCL's sockets all use that interface.
+HEAD_ADDR=-
+if [ -z "${MEGARL_NET_IFACE:-}" ]; then
+  resolver=${NODES[1]:-$HEAD}
+  HEAD_ADDR=$(timeout 60 srun --overlap --nodes=1 --ntasks=1 -w "$resolver" "${ON_NODE[@]}" getent ahostsv4 "$HEAD" \
+    | awk -v n="$N" '$1 !~ /^127\./ || n == 1 {print $1; exit}')
+  [ -n "$HEAD_ADDR" ] || [ "$N" -gt 1 ] || HEAD_ADDR=127.0.0.1
+  [ -n "$HEAD_ADDR" ] || fail "the head node's name $HEAD resolves to no address but loopback on $resolver" \
+    "(getent ahostsv4 $HEAD): set MEGARL_NET_IFACE to the interface the nodes share (ib0, eth0, ...)"
+fi
+declare -A IP_OF=() IFACE_OF=()
+while read -r host iface ip memlock speed; do
+  if [ "$iface" = error ]; then fail "node $host: $ip $memlock $speed"; fi
+  IFACE_OF[$host]=$iface IP_OF[$host]=$ip
+  if [ "${GPUS_PER_NODE:-0}" -gt 0 ] 2>/dev/null && [ "$memlock" != unlimited ]; then
+    log "WARNING: $host: ulimit -l (locked memory) is $memlock KiB even after raising it to the hard limit;" \
+      "NCCL over InfiniBand/RoCE needs unlimited (the preflight fails it on a multi-node GPU job)"
+  fi
+  if [ "$N" -gt 1 ] && [[ $speed =~ ^[0-9]+$ ]] && [ "$speed" -gt 0 ] && [ "$speed" -lt 10000 ]; then
+    log "WARNING: $host: $iface links at $speed Mb/s: Ray, gloo and the torch.distributed rendezvous run over it;" \
+      "set MEGARL_NET_IFACE to the fabric's interface (e.g. ib0) if the nodes have one"
+  fi
+done < <(timeout 60 srun --overlap --nodes="$N" --ntasks-per-node=1 "${ON_NODE[@]}" bash -c "$NODE_FUNCS"'node_net "$@"' \
+  node-net "$HEAD_ADDR" "$N")
 for node in "${NODES[@]}"; do
   [ -n "${IP_OF[$node]:-}" ] || fail "node $node did not report its IP (srun to it failed or hung)"
 done
-log "head $HEAD at $HEAD_IP; node IPs: $(for n in "${NODES[@]}"; do printf '%s=%s ' "$n" "${IP_OF[$n]}"; done)"
+HEAD_IP=${IP_OF[$HEAD]}
+export MEGARL_NODE_IFACES=$(for n in "${NODES[@]}"; do printf '%s=%s ' "$n" "${IFACE_OF[$n]}"; done)
+log "head $HEAD at $HEAD_IP; node IPs: $(for n in "${NODES[@]}"; do printf '%s=%s(%s) ' "$n" "${IP_OF[$n]}" "${IFACE_OF[$n]}"; done)"
+# What each step gets, explicitly (not what SLURM_* variables a step inherits say): every CPU of
+# the node (Ray's steps and the preflight) and the job's GPUs per node.
+declare -A CPUS_OF=()
+read -r -a cpus <<<"$(expand_counts "${SLURM_JOB_CPUS_PER_NODE:-}")"
+for i in "${!NODES[@]}"; do CPUS_OF[${NODES[$i]}]=${cpus[$i]:-}; done
+step_resources() {  # step_resources NODE...: srun options for a step on these nodes (the fewest CPUs of them)
+  local node least=""
+  for node in "$@"; do [ -n "${CPUS_OF[$node]}" ] && { [ -z "$least" ] || [ "${CPUS_OF[$node]}" -lt "$least" ]; } && least=${CPUS_OF[$node]}; done
+  [ -n "$least" ] && echo "--cpus-per-task=$least"
+  [ "${GPUS_PER_NODE:-0}" -gt 0 ] 2>/dev/null && echo "--gres=gpu:$GPUS_PER_NODE"
+  return 0
+}
 check_stop
 
 # ---------------------------------------------------------------- preflight
 if [ "$PREFLIGHT" = 1 ]; then
   log "preflight on ${NODES[*]} (timeout ${PREFLIGHT_TIMEOUT}s)"
   gpu_arg=(); [ -n "$GPUS_PER_NODE" ] && gpu_arg=(--gpus-per-node "$GPUS_PER_NODE")
+  mapfile -t resources < <(step_resources "${NODES[@]}")
   run_bg_wait timeout --kill-after=10 $((PREFLIGHT_TIMEOUT + 30)) srun --overlap --nodes="$N" --ntasks-per-node=1 \
-    --kill-on-bad-exit=0 "${ON_NODE[@]}" megarl preflight --master-addr "$HEAD_IP" \
+    "${resources[@]}" --kill-on-bad-exit=0 "${ON_NODE[@]}" megarl preflight --master-addr "$HEAD_IP" \
     --master-port "$PREFLIGHT_PORT" --hosts "$(IFS=,; echo "${NODES[*]}")" "${gpu_arg[@]}" --timeout "$PREFLIGHT_TIMEOUT"
   rc=$?
   check_stop
@@ -471,10 +587,11 @@ ray_args=(--block --disable-usage-stats --include-log-monitor=false)
 [ -n "$RAY_NUM_CPUS" ] && ray_args+=(--num-cpus="$RAY_NUM_CPUS")
 [ -n "${MEGARL_RAY_NUM_GPUS:-}" ] && ray_args+=(--num-gpus="$MEGARL_RAY_NUM_GPUS")
 start_ray_on() {  # start_ray_on NODE ARGS...: `ray start --block` as a background job step
-  local node=$1; shift
+  local node=$1 resources; shift
+  mapfile -t resources < <(step_resources "$node")
   # MEGARL_RAY_STEP marks every process this step starts (inherited by raylet, GCS, agents and
   # workers): the teardown finds exactly those on the node by it.
-  srun --overlap --nodes=1 --ntasks=1 -w "$node" --kill-on-bad-exit=1 "${ON_NODE[@]}" \
+  srun --overlap --nodes=1 --ntasks=1 -w "$node" "${resources[@]}" --kill-on-bad-exit=1 "${ON_NODE[@]}" \
     env "MEGARL_RAY_STEP=$SLURM_JOB_ID:$node" ray start --node-ip-address="${IP_OF[$node]}" "${ray_args[@]}" "$@" > >(sed -u "s/^/[ray $node] /") 2>&1 &
   RAY_SRUN[$node]=$!
 }

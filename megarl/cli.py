@@ -267,16 +267,30 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _preflight(args: argparse.Namespace) -> int:
-    """Check a multi-node allocation before Ray starts: one task per node (srun) reports its host and
-    GPU count and joins a small torch.distributed collective; failures name the node(s).
+# megarl preflight's floors: flag -> (environment variable, parallel.preflight_host.Floors field, type, meaning).
+PREFLIGHT_FLOORS = {
+    "--intra-node-floor-gb-s": ("MEGARL_PREFLIGHT_INTRA_GBPS", "intra_node_gb_s", float,
+                                "NCCL all_reduce bus bandwidth floor within a node, GB/s (no floor on CPU)"),
+    "--inter-node-floor-gb-s": ("MEGARL_PREFLIGHT_INTER_GBPS", "inter_node_gb_s", float,
+                                "NCCL all_reduce bus bandwidth floor over all nodes' GPUs, GB/s (no floor on CPU)"),
+    "--min-shm-gib": ("MEGARL_PREFLIGHT_SHM_GIB", "shm_gib", float, "/dev/shm floor on GPU nodes, GiB (CPU nodes: at most 1)"),
+    "--min-nofile": ("MEGARL_PREFLIGHT_NOFILE", "nofile", int, "ulimit -n floor"),
+}
 
-    Rank and world size come from SLURM_PROCID/SLURM_NTASKS (or RANK/WORLD_SIZE) unless given.
+
+def _preflight(args: argparse.Namespace) -> int:
+    """Check a multi-node allocation before Ray starts: one task per node (srun) reports its host,
+    GPU count, ulimits, /dev/shm, driver and GPU health, then runs one rank per GPU in large
+    all_reduces within each node and across all nodes, judged against bandwidth floors, and reads
+    NCCL's transport between nodes; failures name the node(s).
+
+    Rank and world size (nodes) come from SLURM_PROCID/SLURM_NTASKS (or RANK/WORLD_SIZE) unless given.
     Exit status: 0 usable, 1 a node failed a check, 2 bad arguments."""
     import os
 
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's connect retries: our message names the node
     from parallel.preflight import PreflightError, run_preflight
+    from parallel.preflight_host import Floors
 
     env = os.environ
     rank = args.rank if args.rank is not None else int(env.get("SLURM_PROCID", env.get("RANK", 0)))
@@ -287,9 +301,26 @@ def _preflight(args: argparse.Namespace) -> int:
         print(f"megarl preflight: need --master-addr (or MASTER_ADDR), 0 <= rank < world size (got {rank}/{world}) "
               f"and one --hosts entry per rank", file=sys.stderr)
         return 2
+    for name in ("bytes", "iters", "ranks_per_node"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"megarl preflight: --{name.replace('_', '-')} {value}: must be >= 1", file=sys.stderr)
+            return 2
+    values = {}
+    for flag, (variable, name, kind, _) in PREFLIGHT_FLOORS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        try:
+            values[name] = kind(env.get(variable, getattr(Floors, name))) if value is None else value
+        except ValueError:
+            print(f"megarl preflight: {variable}={env[variable]!r} is not a number: unset it or use {flag}",
+                  file=sys.stderr)
+            return 2
+    floors = Floors(**values, min_driver=args.min_driver or env.get("MEGARL_PREFLIGHT_MIN_DRIVER") or None,
+                    allow_nccl_socket=args.allow_nccl_socket or env.get("MEGARL_PREFLIGHT_ALLOW_NCCL_SOCKET") == "1")
     try:
         result = run_preflight(rank, world, master, args.master_port, hosts=hosts, gpus_per_node=args.gpus_per_node,
-                               timeout_s=args.timeout, nbytes=args.bytes)
+                               timeout_s=args.timeout, nbytes=args.bytes, ranks_per_node=args.ranks_per_node,
+                               iters=args.iters, warmup=args.warmup, floors=floors)
     except PreflightError as error:
         print(f"megarl preflight: ERROR: {error}", file=sys.stderr, flush=True)
         return 1
@@ -387,7 +418,23 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument("--hosts", default=None, help="comma-separated host of each rank, to name missing ones")
     preflight.add_argument("--gpus-per-node", type=int, default=None, help="expected visible GPUs per node (0 on CPU)")
     preflight.add_argument("--timeout", type=float, default=60.0, help="seconds every wait is bounded by")
-    preflight.add_argument("--bytes", type=int, default=1 << 22, help="all_reduce size for the bandwidth figure")
+    preflight.add_argument("--bytes", type=int, default=None,
+                           help="all_reduce size in bytes for the bandwidth checks (default 1 GiB on GPUs, 4 MiB on CPU)")
+    preflight.add_argument("--iters", type=int, default=10, help="timed all_reduce iterations (default 10)")
+    preflight.add_argument("--warmup", type=int, default=3, help="untimed all_reduce iterations first (default 3)")
+    preflight.add_argument("--ranks-per-node", type=int, default=None,
+                           help="collective ranks per node (default: one per visible GPU; 1 on CPU)")
+    from parallel.preflight_host import Floors
+
+    for flag, (variable, name, kind, what) in PREFLIGHT_FLOORS.items():
+        preflight.add_argument(flag, type=kind, default=None,
+                               help=f"{what} (default ${variable}, else {getattr(Floors, name):g}; 0 turns the check off)")
+    preflight.add_argument("--min-driver", default=None,
+                           help="oldest NVIDIA driver accepted (default $MEGARL_PREFLIGHT_MIN_DRIVER, else the oldest "
+                                "torch's CUDA build runs on)")
+    preflight.add_argument("--allow-nccl-socket", action="store_true",
+                           help="accept NCCL over sockets between nodes (a cluster without RDMA) with a warning "
+                                "(also $MEGARL_PREFLIGHT_ALLOW_NCCL_SOCKET=1)")
     preflight.set_defaults(func=_preflight)
     return parser
 

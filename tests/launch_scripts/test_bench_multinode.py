@@ -80,6 +80,7 @@ def test_two_node_bench_job(slurm_env, tmp_path):
     env = slurm_env
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     env["MEGARL_RAY_NUM_CPUS"] = "1"  # one Megatron rank per Ray node: the two ranks land on both nodes
+    env["MEGARL_NET_IFACE"] = "lo"  # both "nodes" are this host (names on 127.0.0.11/12): they share lo
     data = tmp_path / "train.parquet"
     subprocess.run([sys.executable, str(ROOT / "tools/prepare_data.py"), "synthetic-arith", "--output", str(data),
                     "--num", "64"], check=True, capture_output=True)

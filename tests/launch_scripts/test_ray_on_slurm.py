@@ -14,7 +14,9 @@ d. a node whose slurmd dies mid-job (its job steps keep running, so Slurm cannot
    the teardown finds the job's Ray processes left there and stops them through MEGARL_NODE_SHELL,
    naming the node and the processes; without a node shell the job fails naming the node and
    what may be left on it;
-e. a wrong override of a `megarl train` driver fails the job in seconds, before any Ray process.
+e. a wrong override of a `megarl train` driver fails the job in seconds, before any Ray process;
+f. node names that resolve to loopback addresses (without MEGARL_NET_IFACE) fail the job in
+   seconds, naming the head and the variable to set, before the preflight and Ray.
 
 Jobs are watched by polling `scontrol show job` (sbatch --wait polls slowly). Processes are
 attributed to a job by SLURM_JOB_ID in their environment (conftest.job_processes: inherited by
@@ -54,7 +56,9 @@ def _env(cluster: dict, **extra) -> dict:
     # script would put its bin/ before the PATH a test sets up (e.g. a faulty `ray` on n2).
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "MEGARL_VENV"}
     env.update(cluster)
-    env.update(PATH=f"{VENV_BIN}:{env['PATH']}", MEGARL_RAY_NUM_CPUS="1", MEGARL_GPUS_PER_NODE="0",
+    # Both "nodes" are this host, their names mapped to 127.0.0.11/12: the loopback interface is
+    # the one they share, chosen explicitly (a loopback address is refused otherwise).
+    env.update(PATH=f"{VENV_BIN}:{env['PATH']}", MEGARL_RAY_NUM_CPUS="1", MEGARL_GPUS_PER_NODE="0", MEGARL_NET_IFACE="lo",
                RAY_PORT=str(free_port()), MEGARL_PREFLIGHT_PORT=str(free_port()), MEGARL_RAY_JOIN_TIMEOUT="120",
                MEGARL_PREFLIGHT_TIMEOUT="60", MEGARL_DRIVER_GRACE="180")
     env.update(extra)
@@ -160,6 +164,8 @@ def test_two_node_training_job_is_preempted_requeued_and_resumed(slurm_cluster, 
     text = _log(log)
     assert info["JobState"] == "COMPLETED", f"job {job}: {info.get('JobState')}\n{text[-6000:]}"
     assert "preflight: 2 node(s), backend gloo: OK" in text and "all 2 Ray nodes joined" in text, text[-3000:]
+    assert "inter-node all_reduce ok over 2 node(s), 2 ranks" in text, text[-3000:]  # timed, between the nodes
+    assert re.search(r"node IPs: n1=127\.0\.0\.11\(lo\) n2=127\.0\.0\.12\(lo\)", text), text[-3000:]
     # Each node's raylet ran one Megatron rank: the workers ran on both nodes; the driver on the head.
     assert seen.get("ray::MegatronWorker") == {"n1", "n2"}, seen
     assert seen.get("raylet") == {"n1", "n2"}, seen
@@ -299,4 +305,20 @@ def test_a_wrong_override_fails_the_job_in_seconds_before_any_ray_process(slurm_
     for later in ("node IPs", "preflight on", "starting the Ray head", "stopping Ray"):
         assert later not in text, text
     assert ray == [], f"Ray processes of the job appeared: {ray}"
+    assert job_leftovers(job) == [], "processes of the job still running"
+
+
+def test_a_head_name_resolving_to_loopback_fails_the_job_naming_the_variable(slurm_cluster, tmp_path):
+    env = _env(slurm_cluster)
+    del env["MEGARL_NET_IFACE"]  # n1 and n2 resolve to 127.0.0.11/12: other machines could not reach them
+    log = tmp_path / "job.out"
+    job = _submit(env, log, ["python", "-c", "print('the driver should not run')"])
+    info = _wait(job, env, timeout_s=240)
+    text = _log(log)
+    assert info["JobState"] == "FAILED", f"job {job}: {info}\n{text[-3000:]}"
+    assert _run_seconds(info) <= 30, f"ran {info['RunTime']}\n{text[-3000:]}"
+    assert "ERROR: the head node's name n1 resolves to no address but loopback on n2 (getent ahostsv4 n1): " \
+           "set MEGARL_NET_IFACE to the interface the nodes share" in text, text[-3000:]
+    for later in ("preflight on", "starting the Ray head", "the driver should not run"):
+        assert later not in text, text
     assert job_leftovers(job) == [], "processes of the job still running"
