@@ -14,13 +14,14 @@ receive the sum of what the ``n`` copies would have received.
 
 Attention is computed per branch, over [prefix keys ; own branch keys]: n * L * (P + L) scores
 per row, fewer than the n * (P + L)^2 of n separate rows (a dense tree mask over the row would
-cost (P + n * L)^2, more than the separate rows once responses are long). The scores are never
-stored: on CUDA the SDPA call may run only torch's memory-efficient kernel (flash attention takes
+cost (P + n * L)^2, more than the separate rows once responses are long). On CUDA the scores are
+never stored: the SDPA call may run only torch's memory-efficient kernel (flash attention takes
 no mask), so a call it refused would raise rather than fall back to the math kernel's fp32
 [n, heads, L, P + L] score matrix. That kernel has no GQA (torch 2.13), so the K/V heads are
-expanded to the query's first. What a layer keeps for its backward: the gathered queries, the
-expanded keys and values (heads/tp per key, n * (P + L) keys per row) and the mask as an additive
-bias in the activation dtype (n * L * (P + L) per row), counted by ``parallel.memory``.
+expanded to the query's first (on every device: one code path). What a layer keeps for its
+backward: the gathered queries, the expanded keys and values (heads/tp per key, n * (P + L) keys
+per row), SDPA's output, and the mask as an additive bias in the activation dtype (n * L * (P + L)
+per row), counted by ``parallel.memory``.
 
 Megatron's GPTModel takes ``position_ids`` but computes RoPE for positions ``0..s-1`` of every
 row; :func:`rotary_positions` makes one forward use the given per-token positions instead. The
