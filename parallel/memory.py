@@ -42,14 +42,28 @@ token per layer, in elements:
   times the activation dtype size; softmax statistics are ignored. Tokens per micro-batch are
   micro_batch_size * (max prompt + max response) (padded batches: the worst case) or the token
   budget, / cp. What the core attention keeps besides depends on which one the run builds
-  (``parallel.models.core_attention_kind``), per query token and per key of its sequence (S keys,
-  S = max prompt + max response: exact for padded rows, a bound for packed and shared-prefix ones):
-  sdpa,                 nothing (torch's flash / memory-efficient kernels on CUDA; TE's fused
-  transformer_engine    attention, CP and packed rows included)
-  context_parallel,     their boolean masks ([S/cp, S] causal on global positions; [branches, L,
-  shared_prefix         P + L] per branch), which SDPA turns into an additive bias in the
-                        activation dtype at every layer (memory-efficient kernel on CUDA; no
-                        score matrix), shared by the heads: dtype size bytes
+  (``parallel.models.core_attention_kind``); S = max prompt + max response keys per sequence
+  (exact for padded rows, a bound for packed and shared-prefix ones):
+  sdpa,                 nothing (torch's flash kernel on CUDA, which takes the KV heads as they
+  transformer_engine    are; TE's fused attention, CP and packed rows included)
+  context_parallel,     SDPA with a boolean mask ([S/cp, S] causal on global positions; [branches,
+  shared_prefix         L, P + L] per branch), which runs torch's memory-efficient kernel on CUDA
+                        (the shared-prefix attention allows no other): no score matrix, but
+                        - the mask as an additive bias in the activation dtype, shared by the
+                          heads, its keys padded to a multiple of 16: ceil16(S) * dtype size
+                          bytes per query token;
+                        - the keys and values with the query's heads (that kernel has no GQA):
+                          2 * nh*d/tp elements per key instead of the 2 * nkv*d/tp counted above;
+                          a CP rank keeps all S keys of its sequences (cp times its tokens), a
+                          shared-prefix row n * (P + L) keys (the prefix once per branch), the
+                          tokens of n padded rows;
+                        - SDPA's own copy of its output, nh*d/tp per token (the output
+                          projection keeps the rearranged one counted above).
+                        A shared-prefix row's prefix attention (its P keys once more) fits in
+                        the (n - 1) * P query tokens it saves over n padded rows (n > 1). The
+                        memory-efficient kernel needs head_dim a multiple of 8 in 16-bit dtypes
+                        (4 in fp32): the shared-prefix attention refuses others (a ValueError
+                        that names the fix).
   Full recompute keeps only each layer's input (h elements, /tp with SP) plus one layer's full
   set while it is recomputed.
   Pipeline (1F1B): stage s holds min(pp - s, micro-batches) micro-batches in flight (the first
@@ -163,21 +177,41 @@ class ModelShape:
         """Parameters a token passes through: all but the experts it is not routed to."""
         return self.counts.active
 
+    def attention_elements_per_token(self, tp: int) -> float:
+        """q, k, v and the attention's output, per token on one TP rank (see module doc)."""
+        return (2 * self.q_dim + 2 * self.kv_dim) / tp
+
     def activation_elements_per_token(self, tp: int, sequence_parallel: bool, etp: int = 1) -> float:
         """Elements one layer saves for its backward per token on one TP rank (see module doc)."""
         replicated = 4 * self.hidden
-        split = 2 * self.q_dim + 2 * self.kv_dim
+        split = self.attention_elements_per_token(1)
         if not self.experts:
             return replicated / (tp if sequence_parallel else 1) + (split + 3 * self.ffn) / tp
         experts = self.topk * (3 * self.expert_ffn / etp + 2 * self.hidden) + self.experts
         return replicated / (tp if sequence_parallel else 1) + split / tp + experts
 
-    def attention_bytes_per_key(self, attention: str, tp: int, dtype_size: int) -> float:
-        """Bytes one layer's core attention keeps per query token and key on one TP rank, beyond
-        q/k/v and its output (see module doc), for a ``parallel.models.core_attention_kind`` name."""
+    def core_attention_bytes(self, attention: str, *, tp: int, cp: int, dtype_size: int, tokens: float,
+                             sequence_length: int | None) -> float:
+        """Bytes one layer's core attention keeps for its backward on one TP rank beyond q/k/v and
+        its output (``attention_elements_per_token``), for ``tokens`` tokens of the rank and
+        sequences of ``sequence_length`` keys (see module doc), for a
+        ``parallel.models.core_attention_kind`` name."""
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention={attention!r}; use one of {ATTENTION_KINDS}")
-        return 0 if attention in ("sdpa", "transformer_engine") else dtype_size
+        if attention in ("sdpa", "transformer_engine"):
+            return 0
+        if sequence_length is None:
+            raise ValueError(f"attention={attention!r} keeps a mask entry per key: pass sequence_length")
+        multiple = 8 if dtype_size == 2 else 4  # torch's check_head_dim_size_mem_efficient (Ampere on)
+        if attention == "shared_prefix" and self.head_dim % multiple:
+            raise ValueError(f"shared-prompt rows run torch's memory-efficient attention, which needs a head_dim "
+                             f"that is a multiple of {multiple} in {8 * dtype_size}-bit; this model's head_dim is "
+                             f"{self.head_dim}: set actor.shared_prompts=false")
+        bias = tokens * _ceil_to(sequence_length, 16) * dtype_size
+        keys = tokens * (cp if attention == "context_parallel" else 1)
+        # K and V with the query's heads instead of the KV heads counted per token, SDPA's output
+        kept = 2 * keys * self.q_dim - 2 * tokens * self.kv_dim + tokens * self.q_dim
+        return bias + kept / tp * dtype_size
 
 
 def megatron_stage_expert_params(shape: ModelShape, layout) -> int:
@@ -230,8 +264,9 @@ def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfl
     ``micro_batches``: micro-batches per optimizer step and data-parallel rank (bounds the
     pipeline's in-flight count). ``trainable=False``: forward only (reference): params only and
     one layer's working set. ``recompute``: "none" or "full". ``attention``: the core attention
-    (``parallel.models.core_attention_kind``); one that keeps more than q/k/v per key needs
-    ``sequence_length``, the keys of the longest sequence (max prompt + max response).
+    (``parallel.models.core_attention_kind``); one that keeps a mask needs ``sequence_length``,
+    the keys of the longest sequence (max prompt + max response). A ValueError names what a
+    model cannot run with (``ModelShape.core_attention_bytes``).
     """
     if recompute not in ("none", "full"):
         raise ValueError(f"recompute={recompute!r}; use 'none' or 'full'")
@@ -239,10 +274,8 @@ def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfl
     size = DTYPE_BYTES[dtype]
     tp, pp, cp = layout.tp, layout.pp, layout.cp
     tokens = tokens_per_micro_batch / cp
-    per_key = shape.attention_bytes_per_key(attention, tp, size)
-    if per_key and sequence_length is None:
-        raise ValueError(f"attention={attention!r} keeps a score or mask entry per key: pass sequence_length")
-    attention_bytes = per_key * tokens * (sequence_length or 0)  # per layer
+    attention_bytes = shape.core_attention_bytes(attention, tp=tp, cp=cp, dtype_size=size, tokens=tokens,
+                                                 sequence_length=sequence_length)  # per layer
     per_layer = shape.activation_elements_per_token(tp, layout.sequence_parallel, layout.etp) * tokens * size \
         + attention_bytes
     layer_input = shape.hidden / (tp if layout.sequence_parallel else 1) * tokens * size

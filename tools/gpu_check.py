@@ -26,6 +26,9 @@ dies or the shell's timeout loses none of the phases already finished:
 4. TE spec, where ``transformer_engine.pytorch`` imports and megatron's ``HAVE_TE`` holds: parity
    then training, on a fresh rank with ``NVIDIA_TF32_OVERRIDE=0`` in its environment (TE's
    cuBLASLt GEMMs use TF32 for fp32 inputs whatever torch's flag says: ~1e-3 logit error).
+4. attention, in this process: shared-prompt rows' attention at a Llama-70B GQA shape on the
+   memory-efficient kernel, its time and memory against ``parallel.memory``'s count
+   (``tools.gpu_check_attention``; skipped without CUDA).
 
 Training runs before parity because parity needs transformers, which a bare GPU image may lack.
 Exit status 0 when every phase ran and held (a skipped phase holds), 1 otherwise. A benchmark and
@@ -51,6 +54,9 @@ import types
 from importlib import metadata, util
 
 import torch
+
+from tools.gpu_check_attention import attention_phase
+from tools.gpu_check_attention import report_line as attention_report_line
 
 # fp32 GPU kernels (SDPA's memory-efficient kernel, cuBLAS without TF32) sum in other orders than
 # the CPU's: observed differences of fp32 logits are ~1e-6 relative; 1e-4 absolute on logits of
@@ -422,6 +428,8 @@ def report_line(r: dict, results: list[dict]) -> str:
         return (f"training {r['spec']:5s} {r['preset']} seq {r['seq']}: {r['tokens_per_s']} tokens/s, "
                 f"{r['step_s']} s/step, {r['model_tflops']} TFLOP/s ({'; '.join(bounds) or 'no peak known'}), "
                 f"peak {r['peak_memory_gib']} GiB, build {r['build_s']} s, losses {r['losses']}")
+    if r["phase"] == "attention":
+        return attention_report_line(r)
     if r["phase"] == "matmul":
         return f"matmul   bf16 {r['side']}^3: {r['tflops']} TFLOP/s"
     if r["phase"].startswith("worker "):
@@ -501,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             reason = te.get("te_pytorch_error") or ("megatron's HAVE_TE is False" if te.get("te_pytorch") else "no TE")
             results.add({"phase": "te", "group": "te", "ok": True, "skipped": reason})
+        run_phase(results, "attention", None, attention_phase, args.fail_phase)
     except SystemExit as exc:  # SIGTERM: the ranks are gone (run_on_ranks' cleanup); say so in the file
         results.add({"phase": "gpu_check", "ok": False, "error": f"terminated (exit {exc.code}), e.g. by the shell's timeout"})
         raise

@@ -108,6 +108,22 @@ def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor
     return key_pos.unsqueeze(-2) <= query_pos.unsqueeze(-1)
 
 
+def repeat_kv_heads(key: torch.Tensor, value: torch.Tensor, heads: int, dim: int = 2):
+    """GQA's key and value heads (``dim``) each repeated to the query's ``heads``, in megatron's
+    order (query head i reads group i // (heads / groups)). torch's one fused CUDA kernel that takes a
+    mask (memory-efficient attention) refuses fewer K/V heads than query heads (torch 2.13), and
+    SDPA then falls back to the math kernel and its [b, heads, sq, sk] fp32 score matrix: masked
+    attention expands the heads first."""
+    groups = key.shape[dim]
+    if groups == heads:
+        return key, value
+
+    def repeat(t):  # a copy through expand: its backward is a sum, ~4x faster than repeat_interleave's
+        return t.unsqueeze(dim + 1).expand(*t.shape[:dim + 1], heads // groups, *t.shape[dim + 1:]).flatten(dim, dim + 1)
+
+    return repeat(key), repeat(value)
+
+
 def _causal_attention(query, key, value, query_pos, key_pos, softmax_scale, dropout_p):
     """Queries [sq, b, np, hn] over keys/values [sk, b, np, hn], masked on positions -> [sq, b, np*hn].
     torch's SDPA with the boolean mask: on CUDA its memory-efficient kernel keeps a [sq, sk] bias
@@ -148,10 +164,7 @@ def context_parallel_attention(
         )
     if cp_size > 1:
         key, value = _GatherSequence.apply(key, cp_group), _GatherSequence.apply(value, cp_group)
-    heads, groups = query.shape[2], key.shape[2]
-    if heads != groups:  # GQA: [S, b, ng, hn] -> [S, b, np, hn]
-        key = key.repeat_interleave(heads // groups, dim=2)
-        value = value.repeat_interleave(heads // groups, dim=2)
+    key, value = repeat_kv_heads(key, value, query.shape[2])  # GQA: [S, b, ng, hn] -> [S, b, np, hn]
     if cu_seqlens is None:
         query_pos = token_positions(local_len, cp_size, cp_rank, split)
         key_pos = torch.cat([token_positions(local_len, cp_size, r, split) for r in range(cp_size)])

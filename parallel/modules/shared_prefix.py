@@ -14,7 +14,14 @@ receive the sum of what the ``n`` copies would have received.
 
 Attention is computed per branch, over [prefix keys ; own branch keys]: n * L * (P + L) scores
 per row, fewer than the n * (P + L)^2 of n separate rows (a dense tree mask over the row would
-cost (P + n * L)^2, more than the separate rows once responses are long).
+cost (P + n * L)^2, more than the separate rows once responses are long). On CUDA the scores are
+never stored: the SDPA call may run only torch's memory-efficient kernel (flash attention takes
+no mask), so a call it refused would raise rather than fall back to the math kernel's fp32
+[n, heads, L, P + L] score matrix. That kernel has no GQA (torch 2.13), so the K/V heads are
+expanded to the query's first (on every device: one code path). What a layer keeps for its
+backward: the gathered queries, the expanded keys and values (heads/tp per key, n * (P + L) keys
+per row), SDPA's output, and the mask as an additive bias in the activation dtype (n * L * (P + L)
+per row), counted by ``parallel.memory``.
 
 Megatron's GPTModel takes ``position_ids`` but computes RoPE for positions ``0..s-1`` of every
 row; :func:`rotary_positions` makes one forward use the given per-token positions instead. The
@@ -30,8 +37,9 @@ import contextlib
 import dataclasses
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from parallel.modules.context_parallel import ContextParallelAttention
+from parallel.modules.context_parallel import ContextParallelAttention, repeat_kv_heads
 from parallel.modules.memo import reuse_while_unchanged
 
 PADDING = -1  # segment id of padding tokens
@@ -122,16 +130,29 @@ def branch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     def attend(queries, keys, allowed):  # [n, Lq], [n, Lk] token positions; allowed [n, Lq, Lk]
         # index_select, not t[at]: its backward is an index_add, where advanced indexing's is a
-        # sorting index_put (with the GQA repeat and the copies it replaced: 56 -> 21 ms a layer)
-        gather = lambda t, at: t.index_select(0, at.reshape(-1)).view(*at.shape, *t.shape[1:]).transpose(1, 2)  # noqa: E731
-        return scaled_dot_product_attention(gather(q, queries), gather(k, keys), gather(v, keys),
-                                            attn_mask=allowed[:, None], dropout_p=dropout_p, scale=softmax_scale,
-                                            enable_gqa=k.shape[1] != heads).transpose(1, 2)  # [n, Lq, np, hn]
+        # sorting index_put; the heads are repeated after the gather, on the fewer bytes
+        gather = lambda t, at: t.index_select(0, at.reshape(-1)).view(*at.shape, *t.shape[1:])  # noqa: E731
+        keys_, values_ = repeat_kv_heads(gather(k, keys), gather(v, keys), heads)  # [n, Lk, np, hn]
+        queries_ = gather(q, queries)
+        with memory_efficient_kernel(queries_):
+            return scaled_dot_product_attention(queries_.transpose(1, 2), keys_.transpose(1, 2),
+                                                values_.transpose(1, 2), attn_mask=allowed[:, None],
+                                                dropout_p=dropout_p, scale=softmax_scale).transpose(1, 2)
 
     outputs = torch.cat([attend(index.prefix, index.prefix, index.prefix_allowed).reshape(-1, heads, dim),
                          attend(index.branches, index.branch_keys, index.branch_allowed).reshape(-1, heads, dim),
                          q.new_zeros(1, heads, dim)])
     return outputs.index_select(0, index.context_source).view(s, rows, heads * dim)
+
+
+def memory_efficient_kernel(query: torch.Tensor):
+    """Where a masked SDPA call on ``query`` may run: on CUDA only torch's memory-efficient kernel
+    (``sdpa_kernel``), so that a call it refuses raises instead of silently running the math
+    kernel; elsewhere torch's own choice (on CPU its fused kernel, or math with dropout). An empty
+    call (a micro-batch of filler rows has no branches) computes nothing and is left to torch."""
+    if query.is_cuda and query.numel():
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+    return contextlib.nullcontext()
 
 
 class SharedPrefixAttention(ContextParallelAttention):

@@ -164,9 +164,10 @@ def test_training_memory_by_hand():
 
 
 def test_attention_memory_by_hand():
-    """What the core attention keeps per (query token, key), on top of test_training_memory_by_hand's
-    activations: nothing for SDPA; the mask as an additive bias shared by the heads for the
-    context-parallel and shared-prefix attentions (both run SDPA with a boolean mask)."""
+    """What the core attention keeps on top of test_training_memory_by_hand's activations: nothing
+    for SDPA; for the context-parallel and shared-prefix attentions (SDPA with a boolean mask, on
+    torch's memory-efficient kernel) the mask as an additive bias shared by the heads, K and V
+    with the query's heads, and SDPA's own copy of its output."""
     one = MegatronLayout(tp=2, sequence_parallel=True)
     per_layer = 416 * 64 * 2  # as above: 64 tokens, bf16, tp=2 with SP
 
@@ -174,20 +175,41 @@ def test_attention_memory_by_hand():
         return training_memory(TINY, layout, dp=1, dtype=dtype, tokens_per_micro_batch=64, micro_batches=4,
                                **attention).components["activations"]
 
+    # TINY: 4 query heads and 2 KV heads of 16 (q 64, kv 32 elements per token), tp=2
+    bias = 64 * 32 * 2  # a bf16 bias per query token and key: 64 tokens x 32 keys x 2 bytes
+    kept = (2 * 64 - 2 * 32 + 64) // 2 * 64 * 2  # K, V at 64 instead of 32, the output again; /tp
     assert activations(attention="sdpa", sequence_length=32) == activations() == 4 * per_layer
-    # a bf16 bias per query token and key: 64 tokens x 32 keys x 2 bytes
-    assert activations(attention="context_parallel", sequence_length=32) == 4 * (per_layer + 2 * 64 * 32)
-    assert activations(attention="shared_prefix", sequence_length=32) == 4 * (per_layer + 2 * 64 * 32)
-    # cp=2: half the tokens per rank, each still over all 32 keys
+    assert activations(attention="context_parallel", sequence_length=32) == 4 * (per_layer + bias + kept)
+    assert activations(attention="shared_prefix", sequence_length=32) == 4 * (per_layer + bias + kept)
+    # keys padded to a multiple of 16 in the bias: 33 -> 48
+    assert activations(attention="shared_prefix", sequence_length=33) == 4 * (per_layer + 64 * 48 * 2 + kept)
+    # cp=2: 32 tokens per rank, each over all 32 keys; the rank keeps K and V of all 64 tokens
     cp2 = MegatronLayout(tp=2, cp=2, sequence_parallel=True)
-    assert activations(cp2, attention="context_parallel", sequence_length=32) == 4 * (per_layer + 2 * 64 * 32) // 2
+    cp2_kept = (2 * 64 * 64 - 2 * 32 * 32 + 32 * 64) // 2 * 2
+    assert activations(cp2, attention="context_parallel", sequence_length=32) == 4 * (
+        per_layer // 2 + 32 * 32 * 2 + cp2_kept)
     # fp32: 4 bytes per activation and per bias entry
     assert activations(dtype="float32", attention="context_parallel", sequence_length=32) == 4 * (
-        416 * 64 * 4 + 4 * 64 * 32)
+        416 * 64 * 4 + 4 * 64 * 32 + kept * 2)
     with pytest.raises(ValueError, match="pass sequence_length"):
         activations(attention="context_parallel")
     with pytest.raises(ValueError, match="attention='flash'; use one of"):
         activations(attention="flash")
+
+
+def test_shared_prefix_attention_refuses_head_dims_its_kernel_refuses():
+    """torch's memory-efficient kernel needs head_dim a multiple of 8 in 16-bit dtypes, of 4 in
+    fp32 (check_head_dim_size_mem_efficient): the plan names the field and the fix."""
+    odd = dict(TINY, head_dim=12)
+
+    def plan(dtype, attention="shared_prefix"):
+        return training_memory(odd, MegatronLayout(), dp=1, dtype=dtype, tokens_per_micro_batch=64,
+                               micro_batches=1, attention=attention, sequence_length=32)
+
+    with pytest.raises(ValueError, match="head_dim is 12: set actor.shared_prompts=false"):
+        plan("bfloat16")
+    assert plan("float32").components["activations"] > plan("float32", "sdpa").components["activations"]
+    assert plan("bfloat16", "context_parallel").components["activations"] > 0
 
 
 def test_plan_attention_follows_the_rows():
@@ -205,10 +227,14 @@ def test_plan_attention_follows_the_rows():
     plain, _ = actor("actor.shared_prompts=false")
     packed, plan = actor("actor.sequence_packing=true")
     assert (shared.attention, plain.attention, packed.attention) == ("shared_prefix", "sdpa", "context_parallel")
-    pairs = 20 * 4 * 2 * 3072 * 3072  # (layer, query token, key) entries kept at once
+    tokens = 20 * 4 * 2 * 3072  # (layer, token) pairs kept at once
+    pairs = tokens * 3072  # (layer, query token, key)
+    # 64 query and 8 KV heads of 128 at tp=8: K and V at 1024 elements a token instead of 128,
+    # and SDPA's copy of its output (1024)
+    kept = tokens * (2 * 1024 - 2 * 128 + 1024) * 2
     acts = plain.memory.components["activations"]
-    assert shared.memory.components["activations"] == acts + pairs * 2  # bf16 mask
-    assert packed.memory.components["activations"] == acts + pairs * 2  # bf16 bias of the causal mask
+    assert shared.memory.components["activations"] == acts + pairs * 2 + kept  # bf16 mask
+    assert packed.memory.components["activations"] == acts + pairs * 2 + kept  # bf16 bias of the causal mask
     assert plan.fits
 
 

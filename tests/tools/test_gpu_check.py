@@ -25,17 +25,18 @@ def test_smoke_run_passes_parity_and_trains(tmp_path):
     proc, results = _smoke(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # environment report first, the local spec's training before its parity, the RL worker's
-    # phases, TE skipped (no TE here)
+    # phases, TE and the attention phase skipped (no TE, no CUDA here)
     assert [(r["phase"], r.get("spec")) for r in results] == [
         ("environment", None), ("training", "local"), ("parity", "local"), *[(f"worker {name}", None) for name in WORKER],
-        ("te", None)]
-    env, training, parity, *worker, te = results
+        ("te", None), ("attention", None)]
+    env, training, parity, *worker, te, attention = results
     assert all(r["ok"] and "skipped" not in r for r in worker)
     forward, update, checkpoint, export = worker[1:]
     assert forward["output_devices"] == ["cpu"] and forward["max_abs_diff"] <= 1e-4  # against HF transformers
     assert update["logp_moved"] > 0 and checkpoint["max_abs_diff"] == 0.0 and export["max_abs_diff"] <= 1e-4
     assert env["torch"] == torch.__version__ and env["te"]["usable"] is False and "ulimit_n" in env
     assert te["skipped"] and te["ok"]
+    assert attention["ok"] and "no CUDA device" in attention["skipped"]
     assert parity["max_abs_diff"] <= 1e-4 and parity["positions"] == 64
     assert len(training["losses"]) == 3 and all(loss == loss for loss in training["losses"])
     assert "parity   local" in proc.stdout and "tokens/s" in proc.stdout
@@ -48,7 +49,7 @@ def test_a_failing_phase_is_recorded_and_the_later_phases_still_run(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [(r["phase"], r.get("spec"), r["ok"]) for r in results] == [
         ("environment", None, True), ("training", "local", False), ("parity", "local", True),
-        *[(f"worker {name}", None, True) for name in WORKER], ("te", None, True)]
+        *[(f"worker {name}", None, True) for name in WORKER], ("te", None, True), ("attention", None, True)]
     assert "forced failure of training:local" in results[1]["error"]
     assert "training local FAILED" in proc.stdout
 
@@ -60,7 +61,7 @@ def test_a_rank_that_dies_loses_none_of_the_phases_it_finished(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [(r["phase"], r["ok"]) for r in results] == [
         ("environment", True), ("training", True), ("ranks", False), *[(f"worker {name}", True) for name in WORKER],
-        ("te", True)]
+        ("te", True), ("attention", True)]
     assert results[1]["spec"] == "local" and len(results[1]["losses"]) == 3
     assert results[2]["group"] == "local" and "died without a result" in results[2]["error"]
 
@@ -96,3 +97,23 @@ def test_flops_count_every_linear_layer_of_the_hf_model():
         linear -= sum(m.bias.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None)
         attention = 12 * hf["num_hidden_layers"] * hf["hidden_size"] * 100
         assert training_flops_per_token(hf, 100) == 6 * linear + attention, preset
+
+
+def test_attention_phase_measures_branch_attention_and_the_plan():
+    """The attention phase's code on the CPU at a tiny GQA shape (4 query / 2 KV heads of 16): it
+    runs branch attention forward and backward, agrees with float64, and the plan's count for
+    the GPU shape is the closed form: over the 8 padded rows' 8 x 3072 tokens, per token q/k/v/out
+    at 8 / 1 heads of 128 (2 x 1024 + 2 x 128 elements), the bias over 3072 keys, K/V at 8 heads
+    instead of 1 (2 x 1024 - 2 x 128) and SDPA's own output (1024), bf16."""
+    from tools.gpu_check_attention import SHAPE, attention_check, planned_bytes
+
+    r = attention_check(torch.device("cpu"), "tiny-llama", tp=1, prompt=8, branches=3, branch_len=5,
+                        dtype=torch.float32, reps=1)
+    assert r["ok"] and r["small_max_abs_diff"] < 1e-5 and r["forward_backward_ms"] > 0
+    assert (r["shape"]["heads"], r["shape"]["kv_heads"], r["shape"]["head_dim"]) == (4, 2, 16)
+    assert "FLASH_ATTENTION" in r["fused_kernels"]["masked_expanded"]  # the CPU's fused kernel takes the call
+    assert "kept_bytes" not in r  # no allocator counters on the CPU
+    tokens = 8 * 3072
+    assert SHAPE == dict(preset="llama3-70b", tp=8, prompt=1024, branches=8, branch_len=2048)
+    assert planned_bytes(**SHAPE, dtype_size=2) == tokens * 2 * (
+        2 * 1024 + 2 * 128 + 3072 + 2 * 1024 - 2 * 128 + 1024)

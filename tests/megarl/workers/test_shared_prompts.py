@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megarl.workers.batch import make_shared_prompt_micro_batch, prompt_groups, response_mask, shared_prompt_row_length
 from parallel.modules.shared_prefix import PADDING, PREFIX, branch_attention
@@ -90,10 +91,12 @@ def _dense_tree_attention(q, k, v, segments, scale):
     return (out * (segments != PADDING).t()[:, :, None, None]).flatten(2)
 
 
+@pytest.mark.parametrize("kernel", [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
-def test_branch_attention_equals_dense_tree_attention(heads, groups):
+def test_branch_attention_equals_dense_tree_attention(heads, groups, kernel):
     """Rows of different prefix and branch lengths (a one-token prefix: none), padding inside a
-    row and an all-padding row: context and the gradients of q, k, v equal the dense oracle's."""
+    row and an all-padding row: context and the gradients of q, k, v equal the dense oracle's,
+    on either of torch's CPU kernels (its fused one, which takes the mask, and math)."""
     segments = torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3, 3, -1, -1],
                              [1, 1, 1, 1, 2, 2, 2, 2, 2, 2, -1],
                              [0, 1, 2, 2, 3, -1, -1, -1, -1, -1, -1],
@@ -102,7 +105,8 @@ def test_branch_attention_equals_dense_tree_attention(heads, groups):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, rows, h, dim, generator=gen, dtype=torch.float64, requires_grad=True)
                for h in (heads, groups, groups))
-    out = branch_attention(q, k, v, segments, softmax_scale=0.3)
+    with sdpa_kernel([kernel]):
+        out = branch_attention(q, k, v, segments, softmax_scale=0.3)
     expected = _dense_tree_attention(q, k, v, segments, scale=0.3)
     real = (segments != PADDING).t()
     assert out.shape == (s, rows, heads * dim)
@@ -119,3 +123,34 @@ def test_branch_attention_of_rows_without_branches():
     q = torch.randn(5, 2, 2, 4, requires_grad=True)
     out = branch_attention(q, q, q, torch.full((2, 5), PADDING), softmax_scale=0.5)
     assert out.shape == (5, 2, 8) and not out.any()
+
+
+class SDPACalls(torch.overrides.TorchFunctionMode):
+    """Records what every ``scaled_dot_product_attention`` call is given, and makes the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            self.calls.append({"heads": (q.shape[1], k.shape[1], v.shape[1]), "gqa": kwargs.get("enable_gqa", False),
+                               "masked": kwargs.get("attn_mask") is not None})
+        return func(*args, **kwargs)
+
+
+def test_masked_attention_gets_the_query_heads():
+    """torch's CUDA memory-efficient kernel, the fused kernel that takes a mask (flash takes none),
+    refuses K/V with fewer heads than the query (torch 2.13: no GQA in it); SDPA would then run
+    the math kernel and keep a [branches, heads, L, P + L] fp32 score matrix per layer. So every
+    SDPA call of branch_attention on a GQA model (4 query heads, 2 KV heads) gets K and V with
+    the query's heads, and the values still equal the dense oracle's (the test above)."""
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3, 3, -1, -1]])
+    q = torch.randn(11, 1, 4, 8)
+    k, v = torch.randn(2, 11, 1, 2, 8)
+    with SDPACalls() as seen:
+        branch_attention(q, k, v, segments, softmax_scale=0.3)
+    assert len(seen.calls) == 2  # the prefix, then all branches at once
+    assert all(call == {"heads": (4, 4, 4), "gqa": False, "masked": True} for call in seen.calls), seen.calls
