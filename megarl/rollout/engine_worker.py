@@ -1,6 +1,7 @@
 """A rollout engine as a worker: one SGLang engine (``rollout.tp`` ranks) behind a small API the
 controller calls (a Ray actor in a run). It owns the engine handle, so the trainer's resharded
-weights go from the Megatron workers to it through Ray's object store, never via the controller.
+weights go from the Megatron workers to it (a handle of each flat bucket, or its bytes through
+Ray's object store), never via the controller.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from typing import Any
 import torch
 
 from megarl.rollout.sglang.engine import SGLangEngine
-from megarl.rollout.sglang.transport import staged_tensors
-from megarl.rollout.weight_sync import shards_from_transport, sync_weights
+from megarl.rollout.weight_sync import RankShards, sync_weights
 
 
 class RolloutWorker:
@@ -37,16 +37,14 @@ class RolloutWorker:
         return self.engine.generate(prompts, sampling_params, return_logprob=True,
                                     return_routed_experts=return_routed_experts)
 
-    def update_weights(self, *per_rank: dict[str, tuple] | bytes | None) -> dict[str, float]:
-        """Copy each engine rank's shards (argument r = rank r, as ``shards_for_transport`` packs
-        them, or a trainer's ``SharedMemoryStaging.named`` payload of them) in place and verify
-        checksums."""
+    def update_weights(self, *per_rank: RankShards | None) -> dict[str, float]:
+        """Copy each engine rank's shards (argument r = rank r, the flat buckets a trainer rank
+        made, ``MegatronWorker.rollout_shards``) in place and verify their fingerprints."""
         if any(tensors is None for tensors in per_rank):
             raise ValueError("weight sync: an engine rank received no shards (the plan's destinations "
                              "and the engine's ranks disagree)")
         self._stale_prefix_cache = True  # flushed by the next generate (cheaply, when it re-seeds)
-        return sync_weights(self.engine, [staged_tensors(shards) if isinstance(shards, bytes) else
-                                          shards_from_transport(shards) for shards in per_rank], flush_cache=False)
+        return sync_weights(self.engine, per_rank, flush_cache=False)
 
     def restart(self) -> int:
         """Replace the engine (dead, or to be replaced) by a fresh one with the same arguments; it

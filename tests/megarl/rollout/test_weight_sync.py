@@ -57,32 +57,11 @@ def test_synced_engine_generates_like_hf_with_trained_weights(trained, rollout_t
         trained_ids, trained_logprobs = hf_greedy(trained_dir, PROMPTS[0], 8)
         assert trained_ids != initial_ids or (trained_logprobs - initial_logprobs).abs().max() > 1e-2
 
-        if rollout_tp == 2:  # a flipped element in one shard is caught and named
+        if rollout_tp == 2:  # one flipped bit of one element in one rank's parameter is caught and named
             expected = shard_checksums(per_rank[2])
             corrupted = {"model.layers.1.mlp.down_proj.weight": per_rank[2][1]["model.layers.1.mlp.down_proj.weight"].clone()}
-            corrupted["model.layers.1.mlp.down_proj.weight"][3, 7] += 0.5
+            corrupted["model.layers.1.mlp.down_proj.weight"].view(torch.int32)[3, 7] ^= 1
             with engine.weight_update():
                 engine.update_weights_direct([{}, corrupted])
             with pytest.raises(WeightSyncError, match="TP rank 1 holds model.layers.1.mlp.down_proj.weight"):
                 check_parity(engine, expected)
-
-
-def test_shards_survive_the_ray_transport_packing():
-    """Every dtype and shape (bfloat16 has no numpy type; a 0-d tensor has no last dim) comes back
-    bit-identical from a real Ray hop between two processes."""
-    import ray
-
-    from megarl.rollout.weight_sync import shards_for_transport, shards_from_transport
-
-    tensors = {"bf16": torch.randn(3, 4).to(torch.bfloat16), "f32": torch.randn(5, 2), "i64": torch.arange(4),
-               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    try:
-        echoed = ray.get(ray.remote(lambda packed: packed).remote(shards_for_transport(tensors)))
-    finally:
-        ray.shutdown()
-    back = shards_from_transport(echoed)
-    assert list(back) == list(tensors)
-    for name, tensor in tensors.items():
-        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape, name
-        assert torch.equal(back[name], tensor), name
