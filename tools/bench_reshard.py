@@ -1,5 +1,7 @@
 """Benchmark Megatron -> SGLang resharding plans: plan time, bytes moved vs the minimum, and
-execution throughput against a plain tensor copy of the same bytes, measured in the same run.
+execution throughput against a plain tensor copy of the same bytes, measured in the same run,
+and the weight sync's parity probe: the device fingerprint (``weight_checksum``) of one rank's
+buffers against an xxh3-128 hash of their bytes on the host (what the probe used before).
 
     python tools/bench_reshard.py [--presets bench-llama-100m bench-llama-1b] [--moe-presets bench-qwen3-moe-200m]
                                   [--dtype bfloat16]
@@ -18,9 +20,12 @@ import os
 import time
 
 import torch
+import xxhash
 
+from megarl.rollout.sglang.patches import weight_checksum
 from model_specs.base import dtype_from_name
 from model_specs.presets import hf_config_dict
+from parallel.checkpoint.hf_io import tensor_checksum
 from parallel.layout import MegatronLayout
 from parallel.reshard.execute import execute_plan_in_memory
 from parallel.reshard.plan import megatron_device_positions, plan_megatron_to_sglang
@@ -89,6 +94,13 @@ def run_case(hf: dict, name: str, layout: MegatronLayout, world: int, rollout_tp
                                   lambda: flat_dst.copy_(flat_src))
     print(f"{line}  first execution {first_s:6.3f} s  execute {exec_s:6.3f} s = {total / exec_s / 1e9:5.2f} GB/s  plain copy "
           f"{total / copy_s / 1e9:5.2f} GB/s  ratio {copy_s / exec_s:5.2f}", flush=True)
+    rank = buffers[0]
+    nbytes = sum(t.numel() * t.element_size() for t in rank.values())
+    fingerprint_s, hash_s = best_of_both(repeats, lambda: [weight_checksum(t) for t in rank.values()],
+                                         lambda: [tensor_checksum(t, xxhash.xxh3_128) for t in rank.values()])
+    print(f"{'':36s} parity probe of rank 0 ({nbytes / 2**30:5.2f} GiB, {len(rank)} tensors): fingerprint "
+          f"{fingerprint_s:6.3f} s = {nbytes / fingerprint_s / 1e9:5.2f} GB/s  xxh3 on the host {hash_s:6.3f} s = "
+          f"{nbytes / hash_s / 1e9:5.2f} GB/s", flush=True)
 
 
 def main() -> None:

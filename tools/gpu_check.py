@@ -26,7 +26,7 @@ dies or the shell's timeout loses none of the phases already finished:
 4. TE spec, where ``transformer_engine.pytorch`` imports and megatron's ``HAVE_TE`` holds: parity
    then training, on a fresh rank with ``NVIDIA_TF32_OVERRIDE=0`` in its environment (TE's
    cuBLASLt GEMMs use TF32 for fp32 inputs whatever torch's flag says: ~1e-3 logit error).
-4. attention, in this process: shared-prompt rows' attention at a Llama-70B GQA shape on the
+5. attention, in this process: shared-prompt rows' attention at a Llama-70B GQA shape on the
    memory-efficient kernel, its time and memory against ``parallel.memory``'s count
    (``tools.gpu_check_attention``; skipped without CUDA).
 

@@ -420,10 +420,10 @@ class RolloutManager:
         Colocated, engine e's rank r is assembled on device e * tp + r; on a separate pool each
         SGLang rank's shards are assembled once on a trainer device and every engine reads them."""
         tp = self.cfg.rollout.tp
-        # colocated CPU engines read the shards straight from the workers' shared memory
-        staged = self.cfg.rollout.placement == "colocated" and self.cfg.cluster.device == "cpu"
+        # colocated engines read the shards straight from the workers' buffers (CUDA IPC, shared memory)
+        colocated = self.cfg.rollout.placement == "colocated"
         actor = self.workers.role_workers["actor"]
-        rounds = [(ranks, [w.rollout_shards.remote(plan, staged) for w in actor]) for ranks, plan in self.sync_rounds]
+        rounds = [(ranks, [w.rollout_shards.remote(plan, colocated) for w in actor]) for ranks, plan in self.sync_rounds]
         if self.cfg.rollout.placement == "separate":
             per_rank = {rank: shards[device] for ranks, shards in rounds for device, rank in ranks.items()}
             return [[per_rank[r] for r in range(tp)]] * len(self.engines)
@@ -436,6 +436,10 @@ class RolloutManager:
         results = self.workers.gather([engine.update_weights.remote(*args) for engine, args in zip(self.engines, payload)],
                                       self._engine_names(), "weight sync")
         self._engines_hold_actor, self._released = True, False
+        if self.cfg.rollout.placement == "colocated" and self.cfg.cluster.device == "gpu":
+            import ray  # the engines have loaded the actor's CUDA buckets: free them before generation
+
+            ray.get([w.__ray_call__.remote(_free_sent_buckets) for w in self.workers.role_workers["actor"]])
         if self.stream is not None:
             self.timeline.span("apply weights", "rollout", started, time.time(), self._published)
         return {"sync/bytes": sum(r["bytes"] for r in results), "sync/buckets": results[0]["buckets"],
@@ -453,6 +457,15 @@ class RolloutManager:
                 ray.get(engine.shutdown.remote(), timeout=60)
             except Exception:  # noqa: BLE001 - best effort, then the process is killed
                 pass
+
+
+def _free_sent_buckets(worker) -> None:
+    """In a Megatron worker (``__ray_call__``): free the CUDA buckets of the last sync, which every
+    engine has loaded and released (torch keeps an exported block until then)."""
+    import torch
+
+    torch.cuda.ipc_collect()
+    torch.cuda.empty_cache()
 
 
 def _where_rank_runs(worker) -> tuple[str, list[int]]:

@@ -1,6 +1,7 @@
 """A rollout engine as a worker: one SGLang engine (``rollout.tp`` ranks) behind a small API the
 controller calls (a Ray actor in a run). It owns the engine handle, so the trainer's resharded
-weights go from the Megatron workers to it through Ray's object store, never via the controller.
+weights go from the Megatron workers to it (a handle of each flat bucket, or its bytes through
+Ray's object store), never via the controller.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from typing import Any
 import torch
 
 from megarl.rollout.sglang.engine import SGLangEngine
-from megarl.rollout.sglang.transport import staged_tensors
-from megarl.rollout.weight_sync import shards_from_transport, sync_weights
+from megarl.rollout.weight_sync import RankShards, sync_weights
 
 
 class RolloutWorker:
@@ -37,27 +37,25 @@ class RolloutWorker:
         return self.engine.generate(prompts, sampling_params, return_logprob=True,
                                     return_routed_experts=return_routed_experts)
 
-    def update_weights(self, *per_rank: dict[str, tuple] | bytes | None) -> dict[str, float]:
-        """Copy each engine rank's shards (argument r = rank r, as ``shards_for_transport`` packs
-        them, or a trainer's ``SharedMemoryStaging.named`` payload of them) in place and verify
-        checksums. A sync writes every parameter: the engine's own (dummy-loaded at start, or
-        discarded by :meth:`release_memory`) are never served. After a release it takes the
-        weights' memory back first and the KV cache's and CUDA graphs' after the sync, so the two
-        never need room at once."""
+    def update_weights(self, *per_rank: RankShards | None) -> dict[str, float]:
+        """Copy each engine rank's shards (argument r = rank r, the flat buckets a trainer rank
+        made, ``MegatronWorker.rollout_shards``) in place and verify their fingerprints. A sync
+        writes every parameter: the engine's own (dummy-loaded at start, or discarded by
+        :meth:`release_memory`) are never served. After a release it takes the weights' memory back
+        first and the KV cache's and CUDA graphs' after the sync, so the two never need room at once."""
         if any(tensors is None for tensors in per_rank):
             raise ValueError("weight sync: an engine rank received no shards (the plan's destinations "
                              "and the engine's ranks disagree)")
-        tensors = [staged_tensors(shards) if isinstance(shards, bytes) else shards_from_transport(shards)
-                   for shards in per_rank]
-        for rank, (sent, known) in enumerate(zip(tensors, self.engine.rank_parameter_names())):
-            if known - set(sent):
+        for rank, (shards, known) in enumerate(zip(per_rank, self.engine.rank_parameter_names())):
+            sent = {name for bucket in shards.buckets for name in bucket.layout.names}
+            if known - sent:
                 raise ValueError(f"weight sync: engine rank {rank} would keep its own values of "
                                  f"{sorted(known - set(sent))[:5]}: a sync writes every parameter")
         released = self.engine.memory_released
         if released:
             self.engine.resume_memory(weights=True)
         self._stale_prefix_cache = True  # flushed by the next generate (cheaply, when it re-seeds)
-        stats = sync_weights(self.engine, tensors, flush_cache=False)
+        stats = sync_weights(self.engine, per_rank, flush_cache=False)
         if released:
             self.engine.resume_memory(weights=False)
         return stats

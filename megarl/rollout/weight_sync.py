@@ -1,10 +1,11 @@
 """Push resharded trainer weights into an SGLang engine and prove the engine now holds them.
 
-The trainer side runs the resharding plan (``parallel.reshard.execute``) into per-SGLang-rank buffers;
-``sync_weights`` delivers them in place (SGLang's "direct" load inside a weight-update session)
-and then runs the parity probe: the checksum (``weight_checksum``) of every parameter as each
-SGLang TP rank holds it, computed inside the engine's schedulers by SGLang's weight checker, must
-equal the checksum of the buffer the trainer computed for it. A mismatch fails loudly with the
+The trainer side runs the resharding plan (``parallel.reshard.execute``) into per-SGLang-rank flat
+buckets (:class:`RankShards`); ``sync_weights`` delivers them in place (SGLang's "direct" load
+inside a weight-update session) and then runs the parity probe: the fingerprint
+(``weight_checksum``) of every parameter as each SGLang TP rank holds it, computed on the
+engine's device by SGLang's weight checker, must equal the fingerprint the trainer computed on
+its device for the buffer it sent. A mismatch fails loudly with the
 rank and the parameter. ``logprob_probe`` is the second, end-to-end probe: the engine's log-probs
 of a fixed completion against the trainer's.
 
@@ -17,6 +18,7 @@ and reaches the engine only through the handle's methods (:mod:`megarl.rollout.s
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 from typing import Mapping, Sequence
 
@@ -24,39 +26,63 @@ import torch
 
 from megarl.rollout.sglang.engine import SGLangEngine
 from megarl.rollout.sglang.patches import weight_checksum
+from megarl.rollout.sglang.transport import FlatBucket, FlatLayout, SharedMemoryStaging, flat_payload, flat_views
 
 
 class WeightSyncError(RuntimeError):
     """The engine does not hold what the trainer sent (names the rank and the parameter)."""
 
 
+@dataclasses.dataclass
+class RankShards:
+    """One SGLang rank's tensors as a trainer rank assembled them: flat buckets (each one handle of
+    one buffer, :class:`megarl.rollout.sglang.transport.FlatBucket`) and the fingerprint
+    (``weight_checksum``) of every tensor, computed where the buffer lives."""
+
+    buckets: list[FlatBucket]
+    checksums: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(bucket.layout.nbytes for bucket in self.buckets)
+
+
+def allocate_flats(layouts: Sequence[FlatLayout], device: torch.device,
+                   staging: SharedMemoryStaging | None = None) -> list[torch.Tensor]:
+    """The trainer's byte buffers for one SGLang rank's buckets, on ``device`` (the actor's
+    parameters', where the plan's peer transfers land): on a GPU one fresh buffer per bucket
+    (once its IPC handle is exported the producer drops it; torch's CUDA IPC reference count keeps
+    the memory from reuse until the engine has loaded and released it, then
+    ``torch.cuda.ipc_collect()`` frees it); on CPU views of ``staging``'s shared-memory buffer,
+    or, without one or without room in /dev/shm, plain memory."""
+    if device.type == "cuda":
+        return [torch.empty(layout.nbytes, dtype=torch.uint8, device=device) for layout in layouts]
+    flats = staging.flats(0, list(layouts)) if staging is not None else None
+    return flats if flats is not None else [torch.empty(layout.nbytes, dtype=torch.uint8) for layout in layouts]
+
+
+def pack_rank_shards(layouts: Sequence[FlatLayout], flats: Sequence[torch.Tensor], named: bool) -> RankShards:
+    """The buckets the plan has written (:func:`allocate_flats`) as they travel, with every
+    tensor's fingerprint computed on the buffer's device: with ``named`` (the engine rank shares
+    the buffer's device) one handle of each buffer (CUDA IPC, shared memory), else (or when the
+    buffer is plain host memory) its bytes, copied to the host."""
+    checksums, buckets = {}, []
+    for layout, flat in zip(layouts, flats):
+        checksums.update({name: weight_checksum(view) for name, view in flat_views(flat, layout).items()})
+        buckets.append(FlatBucket(layout, payload=flat_payload(flat, layout)) if named and flat.is_shared()
+                       else FlatBucket(layout, data=flat.cpu().numpy()))
+    return RankShards(buckets, checksums)
+
+
 def shard_checksums(per_rank: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, str]]:
-    """What each SGLang rank must hold after the sync, as SGLang's weight checker (hashing with
-    ``weight_checksum``) reports it."""
+    """What each SGLang rank must hold after the sync, as SGLang's weight checker (fingerprinting
+    with ``weight_checksum``) reports it."""
     return [{name: weight_checksum(tensor) for name, tensor in tensors.items()} for tensors in per_rank]
-
-
-def shards_for_transport(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
-    """``{name: tensor}`` as ``{name: (bytes as a numpy array, dtype name, shape)}`` for a Ray hop:
-    Ray hands numpy arrays to the reader straight from its object store, while torch tensors are
-    pickled on both sides (88 MB: 0.14 s against 1.0 s here). Any dtype (bfloat16 has no numpy type)."""
-    return {name: (t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."),
-                   tuple(t.shape)) for name, t in tensors.items()}
-
-
-def shards_from_transport(packed: Mapping[str, tuple]) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`shards_for_transport` (read-only views of the received arrays)."""
-    import warnings
-
-    with warnings.catch_warnings():  # Ray's arrays are read-only; these tensors are only read
-        warnings.simplefilter("ignore", UserWarning)
-        return {name: torch.from_numpy(data).view(getattr(torch, dtype)).view(shape)
-                for name, (data, dtype, shape) in packed.items()}
 
 
 def check_parity(engine: SGLangEngine, expected: Sequence[Mapping[str, str]] | concurrent.futures.Future) -> None:
     """Raise WeightSyncError unless every expected parameter of every engine rank has the
-    expected checksum (``expected`` may still be being computed: a Future of it). (That a full
+    expected fingerprint (``expected`` may still be being computed: a Future of it). (That a full
     sync names every SGLang parameter is the plan's guarantee, tested against SGLang's own loaders.)"""
     actual = engine.rank_parameter_checksums()
     if isinstance(expected, concurrent.futures.Future):
@@ -70,31 +96,40 @@ def check_parity(engine: SGLangEngine, expected: Sequence[Mapping[str, str]] | c
                 )
 
 
-def sync_weights(engine: SGLangEngine, per_rank: Sequence[Mapping[str, torch.Tensor]],
+def sync_weights(engine: SGLangEngine, per_rank: Sequence[Mapping[str, torch.Tensor]] | Sequence[RankShards],
                  verify: bool = True, bucket_bytes: int = 512 << 20, flush_cache: bool = True) -> dict[str, float]:
-    """Copy ``per_rank[r]`` (SGLang names -> rank r's tensors) into the engine in place, in
-    buckets of about ``bucket_bytes`` (all ranks together; the engine decodes one bucket at a
-    time), then (by default) run the parity probe. Returns timings, bytes and bucket count.
-    ``flush_cache=False`` leaves the prefix cache (stale KV) for the caller to flush before the
-    next generation (SGLang's flush also garbage-collects the scheduler on CPU: ~0.3 s)."""
+    """Copy each engine rank's tensors into its parameters in place, then (by default) run the
+    parity probe. ``per_rank[r]`` is rank r's ``{SGLang name: tensor}``, sent in buckets of about
+    ``bucket_bytes`` (all ranks together), or a trainer's :class:`RankShards`, sent bucket by
+    bucket as the trainer made them, with the fingerprints it computed. Returns timings, bytes
+    and bucket count. ``flush_cache=False`` leaves the prefix cache (stale KV) for the caller to
+    flush before the next generation (SGLang's flush also garbage-collects the scheduler on CPU)."""
     start = time.perf_counter()
-    buckets = _buckets_by_name(per_rank, bucket_bytes)
-    with engine.weight_update():
-        for index, names in enumerate(buckets):
-            engine.update_weights_direct([{n: tensors[n] for n in names if n in tensors} for tensors in per_rank],
-                                         flush_cache=flush_cache and index == len(buckets) - 1)
+    flat = all(isinstance(rank, RankShards) for rank in per_rank)
+    if flat:
+        count = max(len(rank.buckets) for rank in per_rank)
+        with engine.weight_update():
+            for index in range(count):
+                engine.update_weights_flat([rank.buckets[index] if index < len(rank.buckets) else None
+                                            for rank in per_rank], flush_cache=flush_cache and index == count - 1)
+        nbytes = sum(rank.nbytes for rank in per_rank)
+    else:
+        buckets = _buckets_by_name(per_rank, bucket_bytes)
+        count = len(buckets)
+        with engine.weight_update():
+            for index, names in enumerate(buckets):
+                engine.update_weights_direct([{n: tensors[n] for n in names if n in tensors} for tensors in per_rank],
+                                             flush_cache=flush_cache and index == count - 1)
+        nbytes = sum(t.numel() * t.element_size() for tensors in per_rank for t in tensors.values())
     pushed = time.perf_counter()
     if verify:
-        # xxhash releases the GIL: hash the trainer's shards while the schedulers hash theirs
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            expected = pool.submit(shard_checksums, per_rank)
-            check_parity(engine, expected)
-    return {
-        "push_s": pushed - start,
-        "verify_s": time.perf_counter() - pushed,
-        "bytes": float(sum(t.numel() * t.element_size() for tensors in per_rank for t in tensors.values())),
-        "buckets": float(len(buckets)),
-    }
+        if flat:
+            check_parity(engine, [rank.checksums for rank in per_rank])
+        else:  # fingerprint the trainer's shards while the schedulers fingerprint theirs (torch frees the GIL)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                check_parity(engine, pool.submit(shard_checksums, per_rank))
+    return {"push_s": pushed - start, "verify_s": time.perf_counter() - pushed, "bytes": float(nbytes),
+            "buckets": float(count)}
 
 
 def _buckets_by_name(per_rank: Sequence[Mapping[str, torch.Tensor]], bucket_bytes: int) -> list[list[str]]:

@@ -150,7 +150,7 @@ class MegatronWorker:
         self.group = group
         self.models: dict[str, _Model] = {}
         self.layout, self.seed = None, None
-        self._staging = None  # shared-memory buffer of the rollout shards (rollout_shards(staged=True))
+        self._staging = None  # shared-memory buffer of the rollout shards (rollout_shards(colocated=True), CPU)
         self._sync_plans: list = []  # resharding plans seen, whose compiled runs serve every later sync
 
     # ------------------------------------------------------------------ building
@@ -418,17 +418,17 @@ class MegatronWorker:
 
     # ------------------------------------------------------------------ weight sync
 
-    def rollout_shards(self, plan, staged: bool = False) -> dict[str, tuple] | bytes | None:
-        """Run this rank's part of the actor -> SGLang resharding ``plan``; returns the SGLang
-        tensors of the engine rank assembled on this device (None if none is), packed for Ray
-        (``megarl.rollout.weight_sync.shards_for_transport``), or with ``staged`` (the engine runs
-        on this host, on CPU) written into this worker's shared-memory staging buffer and returned
-        as the few-KB payload that names it (``SharedMemoryStaging.named``): the engine's
-        schedulers copy straight out of it, with no Ray object and no second staging copy."""
+    def rollout_shards(self, plan, colocated: bool = False, bucket_bytes: int = 256 << 20):
+        """Run this rank's part of the actor -> SGLang resharding ``plan`` into flat buckets (of
+        about ``bucket_bytes``) on the device of the actor's parameters; returns the SGLang rank's
+        ``megarl.rollout.weight_sync.RankShards`` assembled on this device (None if none is).
+        ``colocated`` (the engine rank runs on this device): each bucket travels as one handle of
+        its buffer, a CUDA IPC handle on a GPU, this worker's shared-memory staging buffer on CPU,
+        and the engine's schedulers copy straight out of it; otherwise its bytes go through Ray."""
         import torch.distributed as dist
 
-        from megarl.rollout.sglang.transport import SharedMemoryStaging
-        from megarl.rollout.weight_sync import shards_for_transport
+        from megarl.rollout.sglang.transport import SharedMemoryStaging, bucket_layouts, flat_views
+        from megarl.rollout.weight_sync import allocate_flats, pack_rank_shards
         from parallel.reshard.execute import execute_plan
 
         device = dist.get_rank()
@@ -443,17 +443,17 @@ class MegatronWorker:
         wanted = plan.destinations.get(device, {})
         if not wanted:
             return None
-        dtype = next(iter(sources.values())).dtype
-        buffers = None
-        if staged:
+        first = next(iter(sources.values()))
+        if first.is_cuda:
+            torch.cuda.ipc_collect()  # the last sync's buckets, which the engine has loaded and released
+        elif colocated:
             self._staging = self._staging or SharedMemoryStaging()
-            buffers = self._staging.views(0, {name: (t.shape, dtype) for name, t in wanted.items()})
-        staged = buffers is not None  # else /dev/shm had no room: through Ray
-        if buffers is None:
-            buffers = {name: torch.empty(t.shape, dtype=dtype) for name, t in wanted.items()}
-        # the parameters and the staging buffer are the same storages at every sync: keep the views
-        execute_plan(plan, device, sources, buffers, reuse_views=staged)
-        return SharedMemoryStaging.named(buffers) if staged else shards_for_transport(buffers)
+        layouts = bucket_layouts({name: (t.shape, first.dtype) for name, t in wanted.items()}, bucket_bytes)
+        flats = allocate_flats(layouts, first.device, self._staging if colocated else None)
+        buffers = {name: view for layout, flat in zip(layouts, flats) for name, view in flat_views(flat, layout).items()}
+        # a persistent staging buffer is the same storage at every sync: keep the views
+        execute_plan(plan, device, sources, buffers, reuse_views=flats[0].is_shared() and not first.is_cuda)
+        return pack_rank_shards(layouts, flats, named=colocated)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -295,8 +295,9 @@ def execute_plan(
         src, dst, numel, runs = bucket
         while in_flight and (len(in_flight) == 2 or in_flight[-1][2][:2] != (src, dst)):
             finish_oldest()  # two buckets in flight, and a pair's transfers end before the next pair's
-        dtype = next(iter(destinations.values())).dtype if device == dst else sources[runs[0].src_key].dtype
-        buffer = free[dtype].pop() if free[dtype] else torch.empty(capacity, dtype=dtype)
+        like = next(iter(destinations.values())) if device == dst else sources[runs[0].src_key]
+        dtype = like.dtype  # on the tensors' device: NCCL moves GPU memory only
+        buffer = free[dtype].pop() if free[dtype] else torch.empty(capacity, dtype=dtype, device=like.device)
         flat = buffer[:numel]
         if device == src:
             _run_all(_views(runs, [], source, lambda r: flat))

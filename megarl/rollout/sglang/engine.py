@@ -48,7 +48,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from megarl.rollout.sglang.transport import SharedMemoryStaging, serialize_rank_tensors
+from megarl.rollout.sglang.transport import FlatBucket, SharedMemoryStaging, serialize_rank_tensors
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[3]
 # The interpreter-start hooks of every engine process: a directory (not a package) holding a
@@ -310,37 +310,61 @@ class SGLangEngine:
         model, e.g. ``model.layers.0.self_attn.qkv_proj.weight``) to that rank's full local tensor
         (same shape and dtype as the parameter); a bucket may name any subset of the parameters.
         Delivered with SGLang's ``update_weights_from_tensor(load_format="direct")``: one payload
-        per rank, each rank decodes only its own
-        (:func:`megarl.rollout.sglang.transport.serialize_rank_tensors`). Must run inside
+        per rank, each rank decodes only its own (:mod:`megarl.rollout.sglang.transport`). Must run inside
         :meth:`weight_update`. ``flush_cache`` flushes SGLang's prefix cache after the load (pass
         False for all but the last bucket).
-        CPU tensors travel through this handle's shared-memory staging buffers
-        (:class:`megarl.rollout.sglang.transport.SharedMemoryStaging`) unless ``via_shared_memory=False``
-        or /dev/shm is too small; then their bytes go inline.
+        CPU tensors travel as one flat bucket per rank in this handle's shared-memory staging
+        buffers (:class:`megarl.rollout.sglang.transport.SharedMemoryStaging`) unless
+        ``via_shared_memory=False`` or /dev/shm is too small; then their bytes go inline.
 
         SGLang's direct loader checks nothing before copying, and a bad entry kills the engine
         (the scheduler dies: :class:`EngineDiedError`). Names are checked here first against
         :meth:`rank_parameter_names` (ValueError, engine unharmed); shapes and dtypes are the
         caller's plan's to get right (a mismatch is an assertion in the scheduler).
         """
-        if not self._weight_update_open:
-            raise RuntimeError("update_weights_direct must run inside engine.weight_update() "
-                               "(SGLang refuses weight updates outside a begin/end session)")
-        if "weights" in self._released:
-            raise RuntimeError("update_weights_direct: the engine's weights are released (release_memory); "
-                               "resume_memory(weights=True) first")
-        if len(per_rank) != self.tp_size:
-            raise ValueError(f"update_weights_direct got {len(per_rank)} per-rank dicts for an engine "
-                             f"with tp_size={self.tp_size}: pass exactly one dict per TP rank")
-        for rank, (tensors, known) in enumerate(zip(per_rank, self.rank_parameter_names())):
-            unknown = sorted(set(tensors) - known)
-            if unknown:
-                raise ValueError(f"update_weights_direct: TP rank {rank} has no parameter(s) {unknown[:5]}"
-                                 f"{' ...' if len(unknown) > 5 else ''}; its parameters are SGLang's "
-                                 f"names, e.g. {sorted(known)[:3]}")
+        self._check_open(len(per_rank))
+        self._check_names([list(tensors) for tensors in per_rank])
         payloads = [(self._staging.payload(rank, tensors) if via_shared_memory else None)
                     or serialize_rank_tensors(tensors) for rank, tensors in enumerate(per_rank)]
         self.call("update_weights_from_payloads", payloads, "direct", flush_cache, timeout_s=timeout_s)
+
+    def update_weights_flat(self, per_rank: list[FlatBucket | None], flush_cache: bool = True,
+                            timeout_s: float | None = None) -> None:
+        """As :meth:`update_weights_direct`, for one flat bucket per TP rank (None: nothing for that
+        rank) as a trainer made it (:mod:`megarl.rollout.sglang.transport`): a bucket that names its
+        buffer (shared memory, CUDA IPC) goes to the rank's scheduler as it is, one whose bytes came
+        inline is staged in this handle's shared memory first."""
+        self._check_open(len(per_rank))
+        self._check_names([bucket.layout.names if bucket else [] for bucket in per_rank])
+        payloads = []
+        for rank, bucket in enumerate(per_rank):
+            if bucket is None or bucket.payload is not None:
+                payloads.append(bucket.payload if bucket else serialize_rank_tensors({}))
+                continue
+            tensors = bucket.inline_tensors()
+            payloads.append(self._staging.payload(rank, tensors) or serialize_rank_tensors(tensors))
+        self.call("update_weights_from_payloads", payloads, "direct", flush_cache, timeout_s=timeout_s)
+
+    def _check_open(self, ranks: int) -> None:
+        if not self._weight_update_open:
+            raise RuntimeError("weight updates must run inside engine.weight_update() "
+                               "(SGLang refuses weight updates outside a begin/end session)")
+        if "weights" in self._released:
+            raise RuntimeError("weight update: the engine's weights are released (release_memory); "
+                               "resume_memory(weights=True) first")
+        if ranks != self.tp_size:
+            raise ValueError(f"a weight update got {ranks} per-rank entries for an engine "
+                             f"with tp_size={self.tp_size}: pass exactly one dict per TP rank")
+
+    def _check_names(self, per_rank: list[list[str]]) -> None:
+        """ValueError (engine unharmed) for a name a rank's model lacks: SGLang's direct loader
+        checks nothing, and a bad entry kills its scheduler."""
+        for rank, (names, known) in enumerate(zip(per_rank, self.rank_parameter_names())):
+            unknown = sorted(set(names) - known)
+            if unknown:
+                raise ValueError(f"weight update: TP rank {rank} has no parameter(s) {unknown[:5]}"
+                                 f"{' ...' if len(unknown) > 5 else ''}; its parameters are SGLang's "
+                                 f"names, e.g. {sorted(known)[:3]}")
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100,
                             timeout_s: float | None = None) -> list | None:

@@ -16,8 +16,9 @@ is added to SGLang's ``Scheduler`` class (:func:`_scheduler_reseed`), which
 engine whose ``random_seed`` is the given seed, so a resumed run (new engine) samples the same
 tokens as an uninterrupted one.
 
-The other patches: SGLang's weight checker hashes with :func:`weight_checksum` (what the
-trainer computes for what it sends), the torch-native
+The other patches: SGLang's weight checker fingerprints with :func:`weight_checksum` (what the
+trainer computes for what it sends), its direct weight load takes flat buckets
+(:func:`_patch_weight_updater_module`), the torch-native
 expert path computes a rank's own experts under expert parallelism (:func:`_patch_moe_native_module`), host
 buffers are not pinned without CUDA (:func:`_patch_host_pool_module`), the torch-native
 attention backend batches its attention (:mod:`megarl.rollout.sglang.cpu.batched_attention`), the
@@ -34,6 +35,7 @@ import sys
 RESEED_RPC = "megarl_reseed"  # the Scheduler method SGLangEngine.reseed() calls on every rank
 _SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 _WEIGHT_CHECKER_MODULE = "sglang.srt.utils.weight_checker"
+_WEIGHT_UPDATER_MODULE = "sglang.srt.model_executor.model_runner_components.weight_updater"
 _MOE_NATIVE_MODULE = "sglang.srt.layers.moe.fused_moe_native"
 _HOST_POOL_MODULE = "sglang.srt.mem_cache.pool_host.common"
 RESEED_BUSY = "megarl_reseed: scheduler not idle"  # in the error of a scheduler that refused (busy)
@@ -63,26 +65,79 @@ def _patch_scheduler_module(module) -> None:
     setattr(scheduler, RESEED_RPC, _scheduler_reseed)
 
 
+_FINGERPRINT_CHUNK = 1 << 11  # elements per exact float64 dot product (see weight_checksum)
+_FINGERPRINT_SLAB = 1 << 22  # elements converted at a time: bounds the memory to 32 MB per call
+_FINGERPRINT_MASK = (1 << 50) - 1  # the sums are kept modulo 2**50
+
+
 def weight_checksum(tensor) -> str:
-    """The parity probe's checksum of one tensor: :func:`parallel.checkpoint.hf_io.tensor_checksum` with
-    xxh3-128. The trainer hashes what it sends with it (:mod:`megarl.rollout.weight_sync`), and
-    SGLang's weight checker hashes what each engine rank holds with it (:func:`install_scheduler_patch`
-    puts it in place of the checker's own hash, a sha256 on CPU: 88 MB took 84 ms there against
-    12 ms here, on each side of every sync)."""
-    import xxhash
+    """The parity probe's fingerprint of one tensor's BIT PATTERN, computed where the tensor lives
+    (CPU or GPU; only the result, a few bytes, leaves the device). The trainer fingerprints what it
+    sends with it (:mod:`megarl.rollout.weight_sync`), and SGLang's weight checker fingerprints
+    what each engine rank holds with it (:func:`install_scheduler_patch` puts it in place of the
+    checker's own hash, which copies every parameter to the host).
 
-    from parallel.checkpoint.hf_io import tensor_checksum
+    Each element's bits, read as a signed integer ``v`` (int8/int16/int32 by element size; 8-byte
+    elements as two int32 lanes, each fingerprinted on its own), weighted by ``c = 1 + (i mod
+    2048)`` for element ``i``: per lane the sum of ``c * v`` modulo 2**50, with the dtype and the
+    shape. Exact on any device and in any summation order: each block of 2048 products is a
+    float64 dot product of integers below 2**53 (``|v| <= 2**31``, ``c <= 2**11``), the blocks add
+    up as int64. So any single changed element changes its lane's sum by ``c * dv``, nonzero and
+    below 2**42: detected, always."""
+    import torch
 
-    return tensor_checksum(tensor, xxhash.xxh3_128)
+    t = tensor.detach()
+    t = t if t.is_contiguous() else t.contiguous()
+    word = {1: torch.int8, 2: torch.int16}.get(t.element_size(), torch.int32)
+    lanes = t.reshape(-1).view(word).view(t.numel(), t.element_size() // word.itemsize)  # (elements, lanes)
+    coefficients = torch.arange(1, _FINGERPRINT_CHUNK + 1, dtype=torch.float64, device=t.device)
+    sums = []
+    for lane in lanes.unbind(1):
+        total = torch.zeros((), dtype=torch.int64, device=t.device)
+        for start in range(0, lane.numel(), _FINGERPRINT_SLAB):  # a multiple of the chunk: c stays i mod 2048
+            values = lane[start: start + _FINGERPRINT_SLAB].to(torch.float64)
+            whole = values.numel() // _FINGERPRINT_CHUNK * _FINGERPRINT_CHUNK
+            blocks = torch.mv(values[:whole].view(-1, _FINGERPRINT_CHUNK), coefficients).to(torch.int64)
+            tail = torch.dot(values[whole:], coefficients[: values.numel() - whole]).to(torch.int64)
+            total = (total + (blocks & _FINGERPRINT_MASK).sum() + (tail & _FINGERPRINT_MASK)) & _FINGERPRINT_MASK
+        sums.append(total)
+    digits = "".join(f"{value:013x}" for value in torch.stack(sums).tolist()) if sums else ""
+    return f"{t.dtype}:{tuple(t.shape)}:{digits}"
 
 
 def _patch_weight_checker_module(module) -> None:
-    """SGLang's weight checker hashes with :func:`weight_checksum` (what the trainer computes)."""
+    """SGLang's weight checker fingerprints with :func:`weight_checksum` (what the trainer computes)."""
     if not hasattr(module, "_hash_tensor"):  # a future SGLang renamed it: every parity probe fails, loudly
         print(f"megarl: {module.__name__} has no _hash_tensor; weight checksums left as SGLang computes them",
               file=sys.stderr, flush=True)
         return
     module._hash_tensor = weight_checksum
+
+
+def _patch_weight_updater_module(module) -> None:
+    """SGLang's direct load (``update_weights_from_tensor(load_format="direct")``) takes flat
+    buckets (:mod:`megarl.rollout.sglang.transport`): their entries are expanded into the
+    parameters' views before its in-place copies, and a GPU is synchronised after them, so the
+    update's reply means the producer may reuse or free the bucket."""
+    direct = getattr(module, "_model_load_weights_direct", None)
+    if direct is None or getattr(direct, "megarl_patched", False):
+        if direct is None:  # a future SGLang renamed it: flat buckets then fail by name, loudly
+            print(f"megarl: {module.__name__} has no _model_load_weights_direct; flat buckets not expanded",
+                  file=sys.stderr, flush=True)
+        return
+
+    def load_direct(model, named_tensors):
+        import torch
+
+        from megarl.rollout.sglang.transport import expand_flat_entries
+
+        named_tensors = expand_flat_entries(named_tensors)
+        direct(model, named_tensors)
+        if any(t.is_cuda for _, t in named_tensors):
+            torch.cuda.current_stream().synchronize()
+
+    load_direct.megarl_patched = True
+    module._model_load_weights_direct = load_direct
 
 
 def _patch_moe_native_module(module) -> None:
@@ -167,7 +222,8 @@ class _PostImportPatch(importlib.abc.MetaPathFinder):
 
 def install_scheduler_patch() -> None:
     """Add ``Scheduler.megarl_reseed`` (:func:`_scheduler_reseed`) to SGLang's scheduler class,
-    hash with :func:`weight_checksum` in SGLang's weight checker, keep the torch-native expert path to
+    fingerprint with :func:`weight_checksum` in SGLang's weight checker, expand flat buckets in its
+    direct weight load (:func:`_patch_weight_updater_module`), keep the torch-native expert path to
     a rank's own experts (:func:`_patch_moe_native_module`), allocate host buffers unpinned without
     CUDA (:func:`_patch_host_pool_module`), batch the torch-native backend's attention
     (:mod:`megarl.rollout.sglang.cpu.batched_attention`), sample by inverse CDF
@@ -186,7 +242,8 @@ def install_scheduler_patch() -> None:
     from megarl.rollout.sglang.cpu.linear import SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module
 
     for name, patch in ((_SCHEDULER_MODULE, _patch_scheduler_module),
-                        (_WEIGHT_CHECKER_MODULE, _patch_weight_checker_module), (BACKEND_MODULE, patch_backend_module),
+                        (_WEIGHT_CHECKER_MODULE, _patch_weight_checker_module),
+                        (_WEIGHT_UPDATER_MODULE, _patch_weight_updater_module), (BACKEND_MODULE, patch_backend_module),
                         (SAMPLER_MODULE, patch_sampler_module), (_MOE_NATIVE_MODULE, _patch_moe_native_module),
                         (_HOST_POOL_MODULE, _patch_host_pool_module),
                         (SGLANG_UNQUANT_MODULE, patch_sglang_unquant_module)):

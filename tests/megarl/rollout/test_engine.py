@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from megarl.rollout import EngineDiedError, EngineTimeoutError, SGLangEngine, weight_checksum
 from megarl.rollout.sglang.engine import child_env
-from megarl.rollout.sglang.transport import SharedMemoryStaging, serialize_rank_tensors, staged_tensors
+from megarl.rollout.sglang.transport import serialize_rank_tensors
 from model_specs.presets import PRESETS
 from tests.megarl.rollout import sglang_probe
 from tests.processes import live, live_descendants
@@ -232,75 +232,6 @@ def test_rank_payload_is_self_contained_and_owns_its_bytes():
         assert torch.equal(got, want) and got.is_contiguous(), name
     with pytest.raises(TypeError, match="str -> torch.Tensor"):
         serialize_rank_tensors({"x": [1.0]})
-
-
-def test_weight_checksum_names_values_dtype_and_shape():
-    """The parity probe's checksum: the same values hash alike in any memory layout; one flipped
-    bit, the same bytes read as another dtype, or as another shape, hash differently."""
-    weight = torch.randn(64, 48)
-    digest = weight_checksum(weight)
-    assert weight_checksum(weight.t().contiguous().t()) == digest  # column-major copy, same values
-    flipped = weight.clone()
-    flipped.view(torch.int32)[17, 5] ^= 1
-    others = [flipped, weight.view(torch.int32), weight.reshape(48, 64), weight.reshape(-1)]
-    assert len({digest, *map(weight_checksum, others)}) == 1 + len(others)
-    assert weight_checksum(torch.zeros(0, 4)) != weight_checksum(torch.zeros(4, 0))
-
-
-def _decode_in_another_process(payload: bytes, expected: dict[str, torch.Tensor], tmp_path) -> None:
-    """SGLang's own (whitelisting) deserializer, in a separate process, decodes ``payload`` into
-    ``expected``'s names, dtypes and values."""
-    (tmp_path / "payload.bin").write_bytes(payload)
-    torch.save(expected, tmp_path / "expected.pt")
-    decode = (
-        "import sys, torch\n"
-        "from sglang.srt.utils.common import MultiprocessingSerializer\n"
-        "got = MultiprocessingSerializer.deserialize(open(sys.argv[1], 'rb').read())\n"
-        "want = torch.load(sys.argv[2])\n"
-        "assert [n for n, _ in got] == list(want), [n for n, _ in got]\n"
-        "for n, t in got:\n"
-        "    assert t.dtype == want[n].dtype and torch.equal(t, want[n]), n\n"
-        "print('decoded', len(got))\n")
-    done = subprocess.run([sys.executable, "-c", decode, str(tmp_path / "payload.bin"), str(tmp_path / "expected.pt")],
-                          env=child_env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and f"decoded {len(expected)}" in done.stdout, done.stderr[-3000:]
-
-
-def test_shared_memory_payload_names_a_reused_buffer(tmp_path):
-    """A staged payload is a few KB whatever the tensors' size; a separate process decodes it with
-    SGLang's own (whitelisting) deserializer into the same values, for several dtypes and shapes;
-    the next update reuses the buffer."""
-    staging = SharedMemoryStaging()
-    tensors = {"w": torch.randn(512, 512), "half": torch.randn(3, 5).to(torch.bfloat16),
-               "ids": torch.arange(7), "empty": torch.zeros(0, 4), "slice": torch.randn(100, 64)[10:20, 3:9]}
-    payload = staging.payload(0, tensors)
-    assert payload is not None and len(payload) < 16384  # the tensors hold 1 MB
-    _decode_in_another_process(payload, tensors, tmp_path)
-    buffer = staging._buffers[0]
-    assert staging.payload(0, {"w": torch.ones(512, 512)}) is not None and staging._buffers[0] is buffer
-    staging.close()
-
-
-def test_trainer_staged_shards_are_named_not_copied(tmp_path):
-    """A trainer writes its shards into its own staging views; the payload naming them, mapped by
-    the rollout worker (staged_tensors), is passed on as is (the engine handle's staging stays
-    empty) and decodes in SGLang's deserializer to the trainer's values: the same memory, which
-    the trainer's later writes change."""
-    trainer = SharedMemoryStaging()
-    views = trainer.views(0, {"w": ((256, 128), torch.float32), "b": ((9,), torch.bfloat16)})
-    want = {"w": torch.randn(256, 128), "b": torch.randn(9).to(torch.bfloat16)}
-    for name, tensor in want.items():
-        views[name].copy_(tensor)
-    payload = SharedMemoryStaging.named(views)
-    assert len(payload) < 16384
-    received = staged_tensors(payload)
-    assert all(torch.equal(received[n], t) for n, t in want.items())
-    handle = SharedMemoryStaging()
-    forwarded = handle.payload(0, received)
-    assert handle._buffers == {}
-    _decode_in_another_process(forwarded, want, tmp_path)
-    views["w"].fill_(3.0)
-    assert bool(received["w"].eq(3.0).all())
 
 
 class TestWeightUpdate:
