@@ -271,6 +271,13 @@ def _cross_checks(cfg: RunConfig, p: Problems, hf_config: dict | None, rl: bool)
         if cfg.rollout.multi_turn.enabled:
             p.add("actor.routing_replay", True, "multi-turn trajectories are not recorded with their routes yet",
                   "set actor.routing_replay=false, or rollout.multi_turn.enabled=false")
+    if cfg.actor.moe_token_dispatcher == "alltoall" and cfg.cluster.device == "cpu" and hf_config is not None:
+        from model_specs import num_experts
+
+        if num_experts(hf_config):
+            p.add("actor.moe_token_dispatcher", "alltoall", "megatron-core 0.16's alltoall dispatcher does not run on "
+                  "CPU ranks (it hands gloo's all_to_all_single split sizes that gloo refuses: docs/cpu.md)",
+                  "use auto or allgather on CPU (cluster.gpus_per_node=0)")
     if hf_config is not None:
         positions = hf_config.get("max_position_embeddings")
         total = cfg.data.max_prompt_length + cfg.max_response_length
