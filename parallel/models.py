@@ -85,16 +85,21 @@ def no_random_init() -> dict:
             "embedding_init_method": _leave_as_allocated}
 
 
-def common_micro_batch_shape(layout, moe_token_dispatcher: str | None) -> bool:
-    """Whether every micro-batch of a step, all replicas' included, must take one shape: only with
-    megatron's allgather MoE dispatcher (``moe_token_dispatcher``; None for a dense model), under
+def common_micro_batch_shape(layout, moe_token_dispatcher: str | None, gloo: bool | None = None) -> bool:
+    """Whether every micro-batch of a step, all replicas' included, must take one shape. With
+    megatron's allgather MoE dispatcher (``moe_token_dispatcher``; None for a dense model): under
     pipelining (the dispatcher refuses megatron's ``variable_seq_lengths``, so the pipeline's
     receive buffers have one fixed shape) and when an expert-parallel group spans data-parallel
-    replicas (ep x etp > tp x cp: its all-gather needs one token count on every member).
+    replicas (ep x etp > tp x cp: its all-gather needs one token count on every member). On
+    ``gloo`` (None: when megatron runs on the CPU) under the interleaved schedule (vpp): megatron
+    sends the shapes as one batch of sends and receives, which gloo matches to the same peer by
+    order (docs/cpu.md), so a shape can arrive as the other direction's and the ranks hang.
     Otherwise each micro-batch keeps its own shape; under pipelining megatron's p2p then sends
     each one's shape ahead of it (``variable_seq_lengths``, set by ``build_model_chunks``)."""
     if moe_token_dispatcher not in (None, *MOE_TOKEN_DISPATCHERS):
         raise ValueError(f"moe_token_dispatcher={moe_token_dispatcher!r}; use one of {list(MOE_TOKEN_DISPATCHERS)}")
+    if layout.vpp and (cpu_compat.needed() if gloo is None else gloo):
+        return True
     return moe_token_dispatcher == "allgather" and (layout.pp > 1 or layout.ep * layout.etp > layout.tp * layout.cp)
 
 

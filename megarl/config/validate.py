@@ -17,7 +17,7 @@ all problems are collected and raised together as one ``ConfigError``. What is c
 * the rollout's SGLang tensor parallelism against the model's heads and its pool;
 * cross-section needs: GAE needs a critic, a KL term needs the reference, group-based
   estimators and dynamic sampling need rollout.n >= 2, prompt + response fit the model's
-  positions;
+  positions, an MoE model on CPU ranks needs the allgather dispatcher;
 * valid settings a run does not implement yet: two layouts on one pool, an engine spanning nodes
   or sharing ranks with a Megatron role on a separate pool, colocated engines on GPUs whose
   rollout.tp does not divide a node's GPUs (``placement_checks.not_implemented_checks``),

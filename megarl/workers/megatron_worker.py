@@ -224,7 +224,7 @@ class MegatronWorker:
     def _micro_batches(self, model: _Model, batch: dict) -> list[dict]:
         """This replica's micro-batches (see ``megarl.workers.batch``), padded to the shapes
         megatron needs: one common length and row count where ``common_micro_batch_shape`` says so
-        (megatron's allgather MoE dispatcher under pipelining or across replicas), a length
+        (megatron's allgather MoE dispatcher under pipelining or across replicas, VPP on gloo), a length
         divisible by 2*CP (zig-zag) and by TP under sequence parallelism, and a micro-batch count
         divisible by PP for the interleaved schedule."""
         from megatron.core import parallel_state

@@ -62,6 +62,21 @@ def test_overlapped_grad_reduce_gives_the_same_update(hf_dir, layout):
     _same_update(runs[True], runs[False])
 
 
+def test_which_micro_batches_take_one_shape():
+    """One shape for all: the allgather MoE dispatcher under pipelining or with an expert group
+    across replicas, and the interleaved schedule on gloo (its batched shape exchange); otherwise
+    each micro-batch its own (tests/parallel/modules/test_value_head.py's pp2_vpp2 hung on gloo)."""
+    from parallel.layout import MegatronLayout as L
+    from parallel.models import common_micro_batch_shape as common
+
+    assert not common(L(pp=2), None) and not common(L(pp=2), "alltoall") and not common(L(ep=2), "alltoall")
+    assert common(L(pp=2), "allgather") and common(L(ep=2), "allgather") and not common(L(tp=2, ep=2), "allgather")
+    assert common(L(pp=2, vpp=2), None, gloo=True) and not common(L(pp=2, vpp=2), None, gloo=False)
+    assert common(L(pp=2, vpp=2), None) == common(L(pp=2, vpp=2), None, gloo=not torch.cuda.is_available())
+    with pytest.raises(ValueError, match="moe_token_dispatcher='flex'; use one of"):
+        common(L(), "flex")
+
+
 def test_micro_batches_keep_their_own_shape_under_pipelining(hf_dir):
     """Under pipelining each micro-batch is padded to its own longest row only (megatron's p2p
     sends its shape first: variable_seq_lengths); test_same_updates_at_every_layout is the
