@@ -355,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for train")
     plan.add_argument("--gpu-memory-gib", type=float, default=None,
                       help="per-GPU memory budget in GiB (default: the config's cluster.gpu_memory_gib)")
-    plan.add_argument("--recompute", choices=["none", "full"], default="none", help="activation recompute assumed")
+    plan.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
+                      help="activation recompute assumed (default: the config's actor.recompute)")
     plan.add_argument("--check-files", action="store_true", help="also require the data files to exist here")
     plan.add_argument("--slurm-nodes", type=int, default=None, help="the allocation's node count, checked against cluster.nodes")
     plan.add_argument("--slurm-gpus-per-node", type=int, default=None, help="checked against cluster.gpus_per_node")

@@ -125,9 +125,10 @@ def _micro_batching(cfg: RunConfig, role: str, dp: int, seq: int) -> tuple[int, 
     return mbs * seq, micro, f"{mbs} x {seq} tokens, {micro} micro-batches/step/rank"
 
 
-def plan_run(cfg: RunConfig, gpu_memory_gib: float | None = None, recompute: str = "none") -> LaunchPlan:
+def plan_run(cfg: RunConfig, gpu_memory_gib: float | None = None, recompute: str | None = None) -> LaunchPlan:
     """The launch plan of a validated config (``megarl.config.load_config``) against GPUs of
-    ``gpu_memory_gib`` GiB (None: the config's ``cluster.gpu_memory_gib``)."""
+    ``gpu_memory_gib`` GiB (None: the config's ``cluster.gpu_memory_gib``), with activation
+    ``recompute`` (None: the config's ``actor.recompute``)."""
     from megarl.config.validate import model_hf_config
     from parallel.models import core_attention_kind, default_layer_spec
 
@@ -136,6 +137,7 @@ def plan_run(cfg: RunConfig, gpu_memory_gib: float | None = None, recompute: str
     layer_spec = default_layer_spec(hf)  # what a build on this machine uses: TE where it imports
     budget = int((cfg.cluster.gpu_memory_gib if gpu_memory_gib is None else gpu_memory_gib) * GiB)
     seq = cfg.data.max_prompt_length + cfg.max_response_length
+    recompute = cfg.actor.recompute if recompute is None else recompute
     roles: list[RolePlan] = []
     problems: list[str] = []
     warnings: list[str] = []

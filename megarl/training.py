@@ -30,13 +30,16 @@ class AdamSettings(Protocol):
     clip_grad: float  # max global grad norm; 0 = no clipping
 
 
-def wrap_ddp(chunks: list, layout: MegatronLayout) -> list:
-    """Wrap each model chunk in megatron's DistributedDataParallel (fp32 grads, bucketed reduce)."""
+def wrap_ddp(chunks: list, layout: MegatronLayout, overlap_grad_reduce: bool = False) -> list:
+    """Wrap each model chunk in megatron's DistributedDataParallel (fp32 grads, bucketed reduce).
+    ``overlap_grad_reduce``: each bucket's data-parallel all-reduce (reduce-scatter with the
+    distributed optimizer) starts as soon as the last micro-batch's backward has filled it,
+    during the rest of the backward, instead of after the whole backward."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=layout.use_distributed_optimizer,
     )
     wrapped = []

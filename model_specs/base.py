@@ -315,11 +315,12 @@ class ModelFamily:
         """TransformerConfig MoE fields: megatron's router computing HF's routing exactly (softmax
         over the experts, top-k; HF's renormalised top-k probabilities are the softmax of the top-k
         logits, megatron's moe_router_pre_softmax=False; unnormalised ones its pre-softmax top-k),
-        no token dropping (capacity None), the allgather dispatcher (docs/cpu.md: the one that runs
-        on gloo). The load-balancing loss is megatron's switch loss per layer with HF's coefficient
-        when the config trains with one (output_router_logits): not HF's value (HF pools the router
-        statistics of all layers into one loss, and megatron's is 1/top-k of HF's for one layer).
-        {} for a dense family."""
+        no token dropping (capacity None), SequentialMLP experts (no grouped GEMM: the expert
+        weight names ``weight_rules`` maps). The token dispatcher is the run's choice, not the
+        family's (``parallel.models.build_model_chunks``). The load-balancing loss is megatron's
+        switch loss per layer with HF's coefficient when the config trains with one
+        (output_router_logits): not HF's value (HF pools the router statistics of all layers into
+        one loss, and megatron's is 1/top-k of HF's for one layer). {} for a dense family."""
         if self.moe is None:
             return {}
         aux = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
@@ -330,7 +331,6 @@ class ModelFamily:
             moe_router_score_function="softmax",
             moe_router_pre_softmax=not self.normalized_topk(hf),
             moe_expert_capacity_factor=None,
-            moe_token_dispatcher_type="allgather",
             moe_router_load_balancing_type="aux_loss" if aux else "none",
             moe_aux_loss_coeff=aux,
             moe_grouped_gemm=False,

@@ -64,8 +64,10 @@ token per layer, in elements:
                         memory-efficient kernel needs head_dim a multiple of 8 in 16-bit dtypes
                         (4 in fp32): the shared-prefix attention refuses others (a ValueError
                         that names the fix).
-  Full recompute keeps only each layer's input (h elements, /tp with SP) plus one layer's full
-  set while it is recomputed.
+  Recompute (``parallel.models.recompute_config``): full keeps only each layer's input (h
+  elements, /tp with SP) plus one layer's full set while it is recomputed; selective (the core
+  attention) keeps everything but the core attention's per-key entries above, plus one layer's
+  of them while it is recomputed.
   Pipeline (1F1B): stage s holds min(pp - s, micro-batches) micro-batches in flight (the first
   stage pp of them, the last one); interleaving (VPP) multiplies by 1 + (pp-1)/(pp*vpp).
   The last stage also holds the logits of one micro-batch: tokens * V_padded/tp * (dtype size +
@@ -263,13 +265,15 @@ def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfl
     ``tokens_per_micro_batch``: samples x padded length (or the token budget) of one micro-batch;
     ``micro_batches``: micro-batches per optimizer step and data-parallel rank (bounds the
     pipeline's in-flight count). ``trainable=False``: forward only (reference): params only and
-    one layer's working set. ``recompute``: "none" or "full". ``attention``: the core attention
+    one layer's working set. ``recompute``: "none", "selective" or "full". ``attention``: the core attention
     (``parallel.models.core_attention_kind``); one that keeps a mask needs ``sequence_length``,
     the keys of the longest sequence (max prompt + max response). A ValueError names what a
     model cannot run with (``ModelShape.core_attention_bytes``).
     """
-    if recompute not in ("none", "full"):
-        raise ValueError(f"recompute={recompute!r}; use 'none' or 'full'")
+    from parallel.models import RECOMPUTE
+
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}; use one of {list(RECOMPUTE)}")
     shape = ModelShape.from_hf(hf)
     size = DTYPE_BYTES[dtype]
     tp, pp, cp = layout.tp, layout.pp, layout.cp
@@ -298,6 +302,8 @@ def training_memory(hf: Mapping[str, Any], layout, *, dp: int, dtype: str = "bfl
             in_flight = min(pp - stage, max(1, micro_batches)) * interleave
             if recompute == "full":
                 acts = layers_per_stage * in_flight * layer_input + per_layer
+            elif recompute == "selective":
+                acts = layers_per_stage * in_flight * (per_layer - attention_bytes) + attention_bytes
             else:
                 acts = layers_per_stage * in_flight * per_layer
         else:

@@ -52,6 +52,57 @@ def megatron_config(
 
 
 
+RECOMPUTE = ("none", "selective", "full")  # activation recompute settings (``recompute_config``)
+MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")  # megatron's MoE dispatchers megarl builds
+
+
+def recompute_config(recompute: str) -> dict:
+    """megatron's TransformerConfig fields for an activation-recompute setting (training only:
+    megatron recomputes nothing in a forward-only pass). "none": every activation kept;
+    "selective": megatron's core-attention recompute (the attention's own buffers, such as the
+    context-parallel and shared-prefix masks, are rebuilt in the backward instead of kept);
+    "full": each layer keeps only its input and is run again in the backward (megatron's
+    "uniform" method, one layer per unit)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}; use one of {list(RECOMPUTE)}")
+    return {"none": {},
+            "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+            "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+            }[recompute]
+
+
+def _leave_as_allocated(tensor: torch.Tensor) -> None:
+    """An init method that draws nothing."""
+
+
+def no_random_init() -> dict:
+    """TransformerConfig fields that skip megatron's random draws (the weights keep what
+    ``torch.empty`` allocated), for weights loaded next. Not ``perform_initialization=False``:
+    with it megatron's local layers also skip setting their tensor-parallel attributes
+    (``tensor_model_parallel``, ``partition_dim``), so at TP > 1 the gradient norm counts every
+    shard of a split weight as replicated."""
+    return {"init_method": _leave_as_allocated, "output_layer_init_method": _leave_as_allocated,
+            "embedding_init_method": _leave_as_allocated}
+
+
+def common_micro_batch_shape(layout, moe_token_dispatcher: str | None, gloo: bool | None = None) -> bool:
+    """Whether every micro-batch of a step, all replicas' included, must take one shape. With
+    megatron's allgather MoE dispatcher (``moe_token_dispatcher``; None for a dense model): under
+    pipelining (the dispatcher refuses megatron's ``variable_seq_lengths``, so the pipeline's
+    receive buffers have one fixed shape) and when an expert-parallel group spans data-parallel
+    replicas (ep x etp > tp x cp: its all-gather needs one token count on every member). On
+    ``gloo`` (None: when megatron runs on the CPU) under the interleaved schedule (vpp): megatron
+    sends the shapes as one batch of sends and receives, which gloo matches to the same peer by
+    order (docs/cpu.md), so a shape can arrive as the other direction's and the ranks hang.
+    Otherwise each micro-batch keeps its own shape; under pipelining megatron's p2p then sends
+    each one's shape ahead of it (``variable_seq_lengths``, set by ``build_model_chunks``)."""
+    if moe_token_dispatcher not in (None, *MOE_TOKEN_DISPATCHERS):
+        raise ValueError(f"moe_token_dispatcher={moe_token_dispatcher!r}; use one of {list(MOE_TOKEN_DISPATCHERS)}")
+    if layout.vpp and (cpu_compat.needed() if gloo is None else gloo):
+        return True
+    return moe_token_dispatcher == "allgather" and (layout.pp > 1 or layout.ep * layout.etp > layout.tp * layout.cp)
+
+
 def default_layer_spec(hf_config: Mapping[str, Any] | None = None) -> str:
     """The layer spec (``model_specs.LAYER_SPECS``) a build uses unless told: Transformer Engine's
     ("te": fused norm + linear, TE's attention with native CP and packed rows) when it imports,
@@ -144,23 +195,40 @@ def build_model_chunks(
     packed_sequences: bool = False,
     shared_prompts: bool = False,
     layer_spec: str | None = None,
+    moe_token_dispatcher: str = "allgather",
+    recompute: str = "none",
+    random_init: bool = True,
     **config_overrides: Any,
 ) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage) for an HF config.
 
     Weights are initialised on the CPU from the full tensors and then split (megatron's
-    ``use_cpu_initialization``), so the same seed gives the same model at every layout.
+    ``use_cpu_initialization``), so the same seed gives the same model at every layout;
+    ``random_init=False`` draws nothing (``no_random_init``) for a caller that loads every
+    element next (an HF or distributed checkpoint).
     ``packed_sequences``: the chunks accept ``packed_seq_params`` (see parallel.modules.packing);
     ``shared_prompts``: shared-prefix rows' segment ids as ``attention_mask`` (parallel.modules.shared_prefix);
-    ``layer_spec``: "local" or "te" (``transformer_layer_spec``), None for ``default_layer_spec(hf_config)``.
+    ``layer_spec``: "local" or "te" (``transformer_layer_spec``), None for ``default_layer_spec(hf_config)``;
+    ``moe_token_dispatcher``: an MoE model's token dispatcher (``MOE_TOKEN_DISPATCHERS``);
+    ``recompute``: activation recompute in training (``recompute_config``). Under pipelining the
+    micro-batches may differ in shape unless ``common_micro_batch_shape`` says otherwise.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from model_specs import family_for, padded_vocab_size
+    from model_specs import family_for, num_experts, padded_vocab_size
 
     family = family_for(hf_config)
-    config = megatron_config(hf_config, layout, params_dtype, **config_overrides)
+    dispatcher = moe_token_dispatcher if num_experts(hf_config) else None
+    variable_shapes = layout.pp > 1 and not common_micro_batch_shape(layout, dispatcher)
+    config = megatron_config(hf_config, layout, params_dtype, **{
+        # a dense model has no dispatcher; megatron refuses variable_seq_lengths with its default, allgather
+        "moe_token_dispatcher_type": dispatcher or "alltoall",
+        "variable_seq_lengths": variable_shapes,
+        **({} if random_init else no_random_init()),
+        **recompute_config(recompute),
+        **config_overrides,
+    })
     model_kwargs = family.gpt_model_kwargs(hf_config)
     model_kwargs["vocab_size"] = padded_vocab_size(model_kwargs["vocab_size"], make_vocab_size_divisible_by, layout.tp)
     spec = transformer_layer_spec(config, layout, packed_sequences, shared_prompts,

@@ -184,6 +184,17 @@ class ActorConfig(_Section):
     # and its update instead of their own top-k (parallel/modules/routing_replay.py), so that the
     # trainer computes the probabilities of the computation that sampled the tokens.
     routing_replay: Bool = False
+    # How megatron trains every Megatron model of the run (actor, critic; the frozen ones run
+    # forward only). The MoE token dispatcher: "alltoall" sends each token to the ranks of its
+    # experts only, "allgather" gathers every token on every rank of the TP x EP group (the one
+    # gloo runs: docs/cpu.md); "auto" = alltoall on GPUs, allgather on CPU.
+    moe_token_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
+    # Activation recompute: none | selective (megatron's core-attention recompute) | full (each
+    # layer keeps its input only and is run again in the backward: the least activation memory).
+    recompute: Literal["none", "selective", "full"] = "none"
+    # Start each gradient bucket's data-parallel reduction during the backward (megatron DDP's
+    # overlap_grad_reduce); null = on for GPUs, off on CPU.
+    overlap_grad_reduce: Bool | None = None
 
 
 @dataclass
@@ -527,6 +538,21 @@ class RunConfig(_Section):
         return obstacles + [f"shared-prompt rows need context parallelism 1, but the {role}'s layout has "
                             f"cp={self.layout_for(role).cp} (its attention builds its own causal mask)"
                             for role in self.megatron_roles if self.layout_for(role).cp > 1]
+
+    @property
+    def moe_token_dispatcher(self) -> str:
+        """megatron's MoE token dispatcher: ``actor.moe_token_dispatcher``, "auto" resolved by
+        device (alltoall on GPUs, allgather on CPU)."""
+        choice = self.actor.moe_token_dispatcher
+        if choice != "auto":
+            return choice
+        return "alltoall" if self.cluster.device == "gpu" else "allgather"
+
+    @property
+    def overlap_grad_reduce(self) -> bool:
+        """``actor.overlap_grad_reduce``, null resolved by device (on for GPUs, off on CPU)."""
+        own = self.actor.overlap_grad_reduce
+        return self.cluster.device == "gpu" if own is None else own
 
     @property
     def megatron_roles(self) -> list[str]:

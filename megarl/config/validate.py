@@ -17,7 +17,7 @@ all problems are collected and raised together as one ``ConfigError``. What is c
 * the rollout's SGLang tensor parallelism against the model's heads and its pool;
 * cross-section needs: GAE needs a critic, a KL term needs the reference, group-based
   estimators and dynamic sampling need rollout.n >= 2, prompt + response fit the model's
-  positions;
+  positions, an MoE model on CPU ranks needs the allgather dispatcher;
 * valid settings a run does not implement yet: two layouts on one pool, an engine spanning nodes
   or sharing ranks with a Megatron role on a separate pool, colocated engines on GPUs whose
   rollout.tp does not divide a node's GPUs (``placement_checks.not_implemented_checks``),
@@ -271,6 +271,13 @@ def _cross_checks(cfg: RunConfig, p: Problems, hf_config: dict | None, rl: bool)
         if cfg.rollout.multi_turn.enabled:
             p.add("actor.routing_replay", True, "multi-turn trajectories are not recorded with their routes yet",
                   "set actor.routing_replay=false, or rollout.multi_turn.enabled=false")
+    if cfg.actor.moe_token_dispatcher == "alltoall" and cfg.cluster.device == "cpu" and hf_config is not None:
+        from model_specs import num_experts
+
+        if num_experts(hf_config):
+            p.add("actor.moe_token_dispatcher", "alltoall", "megatron-core 0.16's alltoall dispatcher does not run on "
+                  "CPU ranks (it hands gloo's all_to_all_single split sizes that gloo refuses: docs/cpu.md)",
+                  "use auto or allgather on CPU (cluster.gpus_per_node=0)")
     if hf_config is not None:
         positions = hf_config.get("max_position_embeddings")
         total = cfg.data.max_prompt_length + cfg.max_response_length

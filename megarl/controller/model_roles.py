@@ -45,8 +45,10 @@ def model_specs(cfg: RunConfig, model_dir: str) -> list:
         specs.append(ModelSpec("reward_model", rm.model_path, cfg.layout_for("reward_model"),
                                MicroBatching(rm.micro_batch_size, packed=packed, shared_prompts=shared),
                                dtype=cfg.model.dtype))
-    imports = tuple(cfg.imports)  # what registers the losses a worker runs, imported there too
-    return [dataclasses.replace(spec, imports=imports) for spec in specs]
+    # what registers the losses a worker runs, imported there too; how megatron trains (actor.*)
+    common = dict(imports=tuple(cfg.imports), moe_token_dispatcher=cfg.moe_token_dispatcher, recompute=a.recompute,
+                  overlap_grad_reduce=cfg.overlap_grad_reduce)
+    return [dataclasses.replace(spec, **common) for spec in specs]
 
 
 def minibatches_per_step(cfg: RunConfig, mini_batch_size: int | None) -> int:

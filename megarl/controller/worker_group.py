@@ -37,6 +37,8 @@ class WorkerGroup:
         self.threads = start_ray(cfg)
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(MegatronWorker)
+        env = megatron_worker_env(cfg)
+        runtime = {"runtime_env": {"env_vars": env}} if env else {}
         # pool -> its placement group, the bundle of each rank, its Megatron workers
         self.placements, self.bundles, self.groups = {}, {}, {}
         for pool in cfg.megatron_pools():
@@ -49,7 +51,7 @@ class WorkerGroup:
                 **in_bundle(pg, order[0])).remote())
             # a collective may wait as long as a phase may last (the first one, after setup, waits for
             # the slowest rank's load): torch.distributed's watchdog must not abort it sooner
-            self.groups[pool] = [worker_cls.options(**in_bundle(pg, order[rank])).remote(
+            self.groups[pool] = [worker_cls.options(**in_bundle(pg, order[rank]), **runtime).remote(
                 rank, size, address, port, self.threads, timeout_s=cfg.trainer.phase_timeout_s, group=pool)
                 for rank in range(size)]
         self.role_workers = {role: self.groups[cfg.pool_for(role)] for role in cfg.megatron_roles}
@@ -62,8 +64,7 @@ class WorkerGroup:
                             [name for spec in specs for name in self.names(spec.role)], "model setup")
         pools = "; ".join(f"pool {pool!r}: {len(self.groups[pool])} rank(s) of {'+'.join(roles)} "
                           f"(layout {self.cfg.layout_for(roles[0])})" for pool, roles in self.cfg.megatron_pools().items())
-        threads = "" if self.cfg.cluster.device == "gpu" else f" ({self.threads} CPU thread(s) per rank)"
-        self.log(f"megarl: Megatron {pools}{threads}; model {model_dir}")
+        self.log(f"megarl: Megatron {pools} ({self.threads} CPU thread(s) per rank); model {model_dir}")
         return built
 
     def gather(self, refs: list, who: list[str], phase: str) -> list:
@@ -133,9 +134,19 @@ class WorkerGroup:
         self.role_workers[role][rank].__ray_call__.remote(lambda worker: os.kill(os.getpid(), signal.SIGKILL))
 
 
-def start_ray(cfg: RunConfig) -> int | None:
+def megatron_worker_env(cfg: RunConfig) -> dict[str, str]:
+    """Environment variables of the Megatron workers' processes (not the SGLang engines'). On GPUs
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware queue per device, so the GPU runs kernels in
+    the order they were launched, which megatron's overlap of communication with computation
+    (tensor/sequence-parallel and gradient reduction) relies on. None on CPU."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cfg.cluster.device == "gpu" else {}
+
+
+def start_ray(cfg: RunConfig) -> int:
     """Join the Ray cluster of ``RAY_ADDRESS`` or start a local one; the CPU threads each rank gets
-    (None on GPUs: ranks split their node's CPUs, nodes of a Ray cluster assumed alike this one)."""
+    (its node's CPUs split between its ranks, nodes of a Ray cluster assumed alike this one). GPU
+    ranks use them for the CPU work of loading, converting and saving weights; Ray's default
+    (OMP_NUM_THREADS=1 for an actor of one CPU) would leave that on one core."""
     import ray
 
     gpu = cfg.cluster.device == "gpu"
@@ -149,7 +160,7 @@ def start_ray(cfg: RunConfig) -> int | None:
             ranks = cfg.cluster.world_size
             ray.init(address="local", num_cpus=max(cpus, ranks), num_gpus=ranks if gpu else 0,
                      include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    return None if gpu else max(1, cpus // (cfg.cluster.ranks_per_node if on_cluster else cfg.cluster.world_size))
+    return max(1, cpus // (cfg.cluster.ranks_per_node if on_cluster else cfg.cluster.world_size))
 
 
 def gather(refs: list, who: list[str], phase: str, timeout_s: float, then: Callable[[], str] = str) -> list:

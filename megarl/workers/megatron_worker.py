@@ -62,6 +62,10 @@ class ModelSpec:
     # that the policy losses they register exist in this process too (the driver imported them
     # when it validated the config)
     imports: tuple[str, ...] = ()
+    # megatron's MoE token dispatcher, "allgather" or "alltoall" (parallel.models; a dense model has none)
+    moe_token_dispatcher: str = "allgather"
+    recompute: str = "none"  # activation recompute in training: none | selective | full (parallel.models)
+    overlap_grad_reduce: bool = False  # DP gradient reduction during the backward (megarl.training.wrap_ddp)
 
 
 def learning_rate(optim: OptimSettings, step: int, total_steps: int) -> float:
@@ -180,26 +184,26 @@ class MegatronWorker:
                              "models sharing a worker share its layout")
         ckpt = HFCheckpoint(spec.hf_dir)
         dtype = dtype_from_name(spec.dtype)
+        # no random init: the HF load below writes every element
+        build = dict(packed_sequences=spec.batching.packed, shared_prompts=spec.batching.shared_prompts,
+                     moe_token_dispatcher=spec.moe_token_dispatcher, recompute=spec.recompute,
+                     random_init=False)
         if spec.role in VALUE_ROLES:
             from parallel.checkpoint.convert import load_hf_into_value_chunks
             from parallel.models import build_value_model_chunks
 
-            chunks = build_value_model_chunks(ckpt.config, spec.layout, params_dtype=dtype,
-                                              packed_sequences=spec.batching.packed,
-                                              shared_prompts=spec.batching.shared_prompts)
+            chunks = build_value_model_chunks(ckpt.config, spec.layout, params_dtype=dtype, **build)
             load_hf_into_value_chunks(chunks, ckpt, spec.layout)
         else:
             if spec.routing_replay and not num_experts(ckpt.config):
                 raise ValueError(f"routing replay for {spec.role}: {spec.hf_dir} is not an MoE model (it has no "
                                  "routers); turn actor.routing_replay off")
-            chunks = build_model_chunks(ckpt.config, spec.layout, params_dtype=dtype,
-                                        packed_sequences=spec.batching.packed,
-                                        shared_prompts=spec.batching.shared_prompts,
+            chunks = build_model_chunks(ckpt.config, spec.layout, params_dtype=dtype, **build,
                                         **({"moe_enable_routing_replay": True} if spec.routing_replay else {}))
             load_hf_into_chunks(chunks, ckpt, spec.layout)
         optimizer = None
         if spec.optim is not None:
-            chunks = wrap_ddp(chunks, spec.layout)
+            chunks = wrap_ddp(chunks, spec.layout, spec.overlap_grad_reduce)
             optimizer = build_optimizer(chunks, spec.optim, spec.layout)
         else:
             for chunk in chunks:
@@ -225,15 +229,16 @@ class MegatronWorker:
 
     def _micro_batches(self, model: _Model, batch: dict) -> list[dict]:
         """This replica's micro-batches (see ``megarl.workers.batch``), padded to the shapes
-        megatron needs: one common length and row count under pipelining (its p2p buffers are
-        fixed) and when an expert-parallel group spans replicas (its token all-gather needs the
-        same token count on every member), a length divisible by 2*CP (zig-zag) and by TP under
-        sequence parallelism, and a micro-batch count divisible by PP for the interleaved schedule.
-        Cut on the host, returned on the model's device."""
+        megatron needs: one common length and row count where ``common_micro_batch_shape`` says so
+        (megatron's allgather MoE dispatcher under pipelining or across replicas, VPP on gloo), a length
+        divisible by 2*CP (zig-zag) and by TP under sequence parallelism, and a micro-batch count
+        divisible by PP for the interleaved schedule. Cut on the host, returned on the model's device."""
         return [on_device(mb, model.device) for mb in self._host_micro_batches(model, batch)]
 
     def _host_micro_batches(self, model: _Model, batch: dict) -> list[dict]:
         from megatron.core import parallel_state
+
+        from parallel.models import common_micro_batch_shape
 
         layout = model.spec.layout
         if model.spec.role != "reward_model":  # only a reward model's output at the last token is used
@@ -242,7 +247,7 @@ class MegatronWorker:
         plan = data_parallel_rows(batch, dp_size, model.spec.batching)
         multiple = (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sequence_parallel else 1)
         lengths = input_lengths(batch).tolist()
-        common_shape = layout.pp > 1 or layout.ep * layout.etp > layout.tp * layout.cp
+        common_shape = common_micro_batch_shape(layout, model.spec.moe_token_dispatcher if num_experts(model.hf_config) else None)
         longest_all = max(lengths)
         most_rows = max(len(rows) for share in plan for rows in share)
         mine = plan[dp_rank]

@@ -271,3 +271,77 @@ def worker_forward_on_a_stand_in_gpu(hf_dir, batch, micro_batch_size):
         return {"error": str(error)}
     finally:
         worker.shutdown()
+
+
+def worker_update_with_settings(hf_dir, layout_kwargs, batch, settings, batching=None):
+    """One PPO update of a MegatronWorker's actor on ``batch`` with the ``ModelSpec`` training
+    ``settings`` (recompute, overlap_grad_reduce, moe_token_dispatcher): its metrics, the actor's
+    log-probs after it, what megatron's config was built with, the shapes of this replica's
+    micro-batches, and how often each decoder layer and core attention ran forward in the update
+    (activation recompute runs them again in the backward)."""
+    from collections import Counter
+
+    from megarl.config.schema import OptimSettings
+    from megarl.workers.batch import MicroBatching, response_mask
+    from megarl.workers.losses import LossSettings
+    from megarl.workers.megatron_worker import MegatronWorker, ModelSpec
+    from parallel.layout import MegatronLayout
+
+    worker = MegatronWorker()
+    worker.setup(ModelSpec("actor", hf_dir, MegatronLayout(**layout_kwargs),
+                           MicroBatching(micro_batch_size=2, **(batching or {})), OptimSettings(lr=1e-3, weight_decay=0.0),
+                           loss=LossSettings(loss_agg_mode="seq-mean-token-mean"), **settings), seed=7)
+    model = worker.models["actor"]
+    calls = Counter()
+    for module in model.modules:
+        for name, sub in module.named_modules():
+            kind = name.rsplit(".", 1)[-1] if name.endswith("core_attention") else "layer" if name.split(".")[-2:-1] == [
+                "layers"] and name.startswith("decoder.") else None
+            if kind:
+                sub.register_forward_hook(lambda *_, kind=kind: calls.update([kind]))
+    mask = response_mask(batch)
+    counts = {"tokens": float(mask.sum()), "sequences": float((mask.sum(-1) > 0).sum())}
+    shapes = [tuple(mb["tokens"].shape) for mb in worker._micro_batches(model, batch)]
+    metrics = worker.update("actor", dict(batch, old_logp=torch.zeros_like(mask)), counts)
+    update_calls = dict(calls)
+    after = worker.forward("actor", batch)
+    config = model.modules[0].config
+    built = {key: getattr(config, key) for key in ("recompute_granularity", "recompute_method", "recompute_num_layers",
+                                                   "variable_seq_lengths", "moe_token_dispatcher_type")}
+    built["init_method"] = config.init_method.__name__
+    built["overlap_grad_reduce"] = model.chunks[0].ddp_config.overlap_grad_reduce
+    worker.shutdown()
+    return {"metrics": metrics, "after": after, "built": built, "shapes": shapes, "calls": update_calls,
+            "micro_batches": len(shapes)}
+
+
+def loaded_params_with_and_without_init(hf_dir, layout_kwargs, value_model=False):
+    """This rank's parameters, and the tensor-parallel attributes megatron tags them with, after
+    an HF load into chunks built with megatron's random init and into chunks built without it
+    (``random_init=False``) whose every element was set to NaN first: equal only if the load
+    writes every element, vocab padding rows included, and the build tags them alike."""
+    from parallel.checkpoint.convert import load_hf_into_chunks, load_hf_into_value_chunks
+    from parallel.checkpoint.hf_io import HFCheckpoint
+    from parallel.layout import MegatronLayout
+    from parallel.models import build_model_chunks, build_value_model_chunks
+    from parallel.process_groups import initialize_megatron
+
+    layout = MegatronLayout(**layout_kwargs)
+    initialize_megatron(layout, seed=7)
+    ckpt = HFCheckpoint(hf_dir)
+    build, load = ((build_value_model_chunks, load_hf_into_value_chunks) if value_model
+                   else (build_model_chunks, load_hf_into_chunks))
+    tags = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce", "sequence_parallel")
+    out = {}
+    for init in (True, False):
+        chunks = build(ckpt.config, layout, random_init=init)
+        if not init:
+            with torch.no_grad():
+                for chunk in chunks:
+                    for param in chunk.parameters():
+                        param.fill_(float("nan"))
+        load(chunks, ckpt, layout)
+        named = [(f"{i}.{name}", p) for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()]
+        out[init] = {name: p.detach().clone() for name, p in named}
+        out[("tags", init)] = {name: {tag: getattr(p, tag, None) for tag in tags} for name, p in named}
+    return out
