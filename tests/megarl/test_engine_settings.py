@@ -13,6 +13,7 @@ from megarl.controller.rollout_manager import engine_settings
 from megarl.rollout.engine_worker import engine_timeouts
 from model_specs.arithmetic import total_parameters
 from model_specs.presets import PRESETS
+from tests.megarl.test_trainer import _metrics, _overrides, _run
 
 QUICKSTART = CONFIGS_DIR / "quickstart_grpo.yaml"
 
@@ -65,8 +66,6 @@ def test_a_fresh_runs_dummy_engines_sample_step_one_with_the_actors_weights(arit
     """One CPU rank and engine, two mini-batches (so the actor recomputes the pre-update
     log-probs): at step 1 the engine's log-probs of its samples equal the actor's, which they
     could not with the dummy weights it started with; the engine got the configured deadlines."""
-    from tests.megarl.test_trainer import _metrics, _overrides, _run
-
     settings = {"cluster.cpu_ranks_per_node": 1, "trainer.total_steps": 1, "trainer.save_every": 0,
                 "data.batch_size": 2, "rollout.n": 2, "actor.mini_batch_size": 1, "actor.micro_batch_size": 2,
                 "ref.micro_batch_size": 4, "rollout.startup_timeout_s": 500, "rollout.call_timeout_s": 250}
