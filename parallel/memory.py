@@ -48,7 +48,7 @@ token per layer, in elements:
   transformer_engine    are; TE's fused attention, CP and packed rows included)
   context_parallel,     SDPA with a boolean mask ([S/cp, S] causal on global positions; [branches,
   shared_prefix         L, P + L] per branch), which runs torch's memory-efficient kernel on CUDA
-                        (the shared-prefix attention allows no other): no score matrix, but
+                        (both allow no other there): no score matrix, but
                         - the mask as an additive bias in the activation dtype, shared by the
                           heads, its keys padded to a multiple of 16: ceil16(S) * dtype size
                           bytes per query token;
@@ -62,8 +62,9 @@ token per layer, in elements:
                         A shared-prefix row's prefix attention (its P keys once more) fits in
                         the (n - 1) * P query tokens it saves over n padded rows (n > 1). The
                         memory-efficient kernel needs head_dim a multiple of 8 in 16-bit dtypes
-                        (4 in fp32): the shared-prefix attention refuses others (a ValueError
-                        that names the fix).
+                        (4 in fp32): the plan refuses others for shared-prefix rows (a
+                        ValueError that names the fix); a context-parallel call the kernel
+                        refuses raises when it runs.
   Recompute (``parallel.models.recompute_config``): full keeps only each layer's input (h
   elements, /tp with SP) plus one layer's full set while it is recomputed; selective (the core
   attention) keeps everything but the core attention's per-key entries above, plus one layer's

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _SPLITS = ("zigzag", "contiguous")
 # torch >= 2.13 renames the tensor collectives (the old names warn); older torch has only those.
@@ -124,6 +125,16 @@ def repeat_kv_heads(key: torch.Tensor, value: torch.Tensor, heads: int, dim: int
     return repeat(key), repeat(value)
 
 
+def memory_efficient_kernel(query: torch.Tensor):
+    """Where a masked SDPA call on ``query`` may run: on CUDA only torch's memory-efficient kernel
+    (``sdpa_kernel``), so that a call it refuses raises instead of silently running the math
+    kernel; elsewhere torch's own choice (on CPU its fused kernel, or math with dropout). An empty
+    call (a micro-batch of filler rows has no branches) computes nothing and is left to torch."""
+    if query.is_cuda and query.numel():
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+    return contextlib.nullcontext()
+
+
 def _causal_attention(query, key, value, query_pos, key_pos, softmax_scale, dropout_p):
     """Queries [sq, b, np, hn] over keys/values [sk, b, np, hn], masked on positions -> [sq, b, np*hn].
     torch's SDPA with the boolean mask: on CUDA its memory-efficient kernel keeps a [sq, sk] bias
@@ -131,8 +142,9 @@ def _causal_attention(query, key, value, query_pos, key_pos, softmax_scale, drop
     from torch.nn.functional import scaled_dot_product_attention
 
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
-    context = scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(query_pos, key_pos),
-                                           dropout_p=dropout_p, scale=softmax_scale)
+    with memory_efficient_kernel(q):
+        context = scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(query_pos, key_pos),
+                                               dropout_p=dropout_p, scale=softmax_scale)
     return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 

@@ -37,9 +37,8 @@ import contextlib
 import dataclasses
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from parallel.modules.context_parallel import ContextParallelAttention, repeat_kv_heads
+from parallel.modules.context_parallel import ContextParallelAttention, memory_efficient_kernel, repeat_kv_heads
 from parallel.modules.memo import reuse_while_unchanged
 
 PADDING = -1  # segment id of padding tokens
@@ -143,16 +142,6 @@ def branch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                          attend(index.branches, index.branch_keys, index.branch_allowed).reshape(-1, heads, dim),
                          q.new_zeros(1, heads, dim)])
     return outputs.index_select(0, index.context_source).view(s, rows, heads * dim)
-
-
-def memory_efficient_kernel(query: torch.Tensor):
-    """Where a masked SDPA call on ``query`` may run: on CUDA only torch's memory-efficient kernel
-    (``sdpa_kernel``), so that a call it refuses raises instead of silently running the math
-    kernel; elsewhere torch's own choice (on CPU its fused kernel, or math with dropout). An empty
-    call (a micro-batch of filler rows has no branches) computes nothing and is left to torch."""
-    if query.is_cuda and query.numel():
-        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
-    return contextlib.nullcontext()
 
 
 class SharedPrefixAttention(ContextParallelAttention):
