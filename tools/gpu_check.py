@@ -12,7 +12,9 @@ dies or the shell's timeout loses none of the phases already finished:
    (H100 SXM, PCIe, NVL; H200), the NVIDIA driver (``nvidia-smi``), megatron-core,
    ``transformer_engine.pytorch`` and megatron's ``HAVE_TE``, what parity needs (transformers,
    safetensors, tokenizers, huggingface_hub), SGLang's pieces (sglang, sgl_kernel, flashinfer,
-   torch_memory_saver: present or not), ``ulimit -l``/``-n`` and the size of /dev/shm.
+   torch_memory_saver: present or not), ``ulimit -l``/``-n``, the size of /dev/shm and the GPUs'
+   health (uncorrectable ECC errors, pending page retirement or row remapping, reset required:
+   the preflight's readers, ``parallel.preflight_host``).
 2. local spec (megatron's local spec with the project's SDPA core attention), on one rank:
    a bf16 matmul (the physical bound, GPU only); bf16 training of a ~1.1B Llama shape
    (``bench-llama-1b``) with fp32 main grads and the distributed optimizer, a few optimizer steps
@@ -42,7 +44,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -55,6 +56,7 @@ from importlib import metadata, util
 
 import torch
 
+from parallel.preflight_host import gpu_health_problems, host_facts
 from tools.gpu_check_attention import attention_phase
 from tools.gpu_check_attention import report_line as attention_report_line
 
@@ -209,11 +211,6 @@ def _nvidia_smi() -> dict | str:
     return [dict(zip(fields, (v.strip() for v in line.split(",")))) for line in proc.stdout.strip().splitlines()]
 
 
-def _limit(which: int) -> str:
-    soft, _ = resource.getrlimit(which)
-    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-
-
 def environment() -> dict:
     """What this machine has, before anything runs on it."""
     env: dict = {"phase": "environment", "python": sys.version.split()[0], "torch": torch.__version__,
@@ -243,13 +240,12 @@ def environment() -> dict:
         ("sglang", "sglang", None), ("sgl_kernel", "sgl_kernel", "sgl-kernel"),
         ("flashinfer", "flashinfer", "flashinfer-python"), ("torch_memory_saver", "torch_memory_saver", "torch-memory-saver"),
         ("apex", "apex", None), ("pydantic", "pydantic", None))}
-    env["ulimit_l"] = _limit(resource.RLIMIT_MEMLOCK)
-    env["ulimit_n"] = _limit(resource.RLIMIT_NOFILE)
-    try:
-        shm = os.statvfs("/dev/shm")
-        env["dev_shm_gib"] = round(shm.f_blocks * shm.f_frsize / 2**30, 1)
-    except OSError:
-        env["dev_shm_gib"] = None
+    # the preflight's own readers (parallel.preflight_host), its GPU health verdict included
+    host = host_facts(gpu=torch.cuda.is_available())
+    env["ulimit_l"], env["ulimit_n"] = (str(host[key] or "unlimited") for key in ("memlock", "nofile"))
+    env["dev_shm_gib"] = None if host["shm_gib"] is None else round(host["shm_gib"], 1)
+    smi = host.get("nvidia_smi")
+    env["gpu_health"] = gpu_health_problems(smi["gpus"]) if isinstance(smi, dict) else smi
     env["NVIDIA_TF32_OVERRIDE"] = os.environ.get("NVIDIA_TF32_OVERRIDE")
     env["ok"] = True
     return env
@@ -407,12 +403,13 @@ def report_line(r: dict, results: list[dict]) -> str:
     if r["phase"] == "environment":
         te = r["te"]
         missing = [k for k, v in r["packages"].items() if v is None]
+        health = "not checked (no CUDA)" if r["gpu_health"] is None else r["gpu_health"] or "no faults"
         return (f"env      python {r['python']}, torch {r['torch']} (CUDA {r['cuda']}, NCCL {r['nccl']}) on {r['device']}"
                 f" (dense bf16 peak {r['peak_bf16_tflops'] or 'unknown'} TFLOP/s), driver "
                 f"{r['nvidia_smi'][0]['driver_version'] if isinstance(r['nvidia_smi'], list) else r['nvidia_smi']}; "
                 f"megatron-core {r['megatron_core']}; TE {te['transformer_engine']} (pytorch imports: {te['te_pytorch']}, "
                 f"HAVE_TE: {te['megatron_have_te']}); missing {missing}; ulimit -l {r['ulimit_l']} -n {r['ulimit_n']}; "
-                f"/dev/shm {r['dev_shm_gib']} GiB")
+                f"/dev/shm {r['dev_shm_gib']} GiB; GPU health: {health}")
     if r["phase"] == "parity":
         return (f"parity   {r['spec']:5s} {r['positions']} positions: max |logit diff| {r['max_abs_diff']:.2e} "
                 f"(limit {PARITY_ATOL:.0e}) {'ok' if r['ok'] else 'FAILED'}")
